@@ -1,0 +1,5 @@
+"""Root conftest: only the list of fixture modules (pytest reads ``pytest_plugins`` here alone)."""
+
+pytest_plugins = [
+    "fixtures.properties",
+]

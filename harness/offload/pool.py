@@ -1,0 +1,76 @@
+"""Host buffer pool for offloaded activations, keyed by (shape, dtype).
+
+On CUDA the buffers are pinned so D2H/H2D copies are asynchronous DMA transfers. A buffer goes
+back to the pool as soon as its H2D copy is *enqueued*, together with the event that marks the
+copy's completion; the next user of the buffer makes its own stream wait on that event before
+writing into it, so a pooled buffer is never overwritten while an H2D still reads it, and the
+host never blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+PoolKey = tuple[tuple[int, ...], torch.dtype]
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """Counters mirroring Megatron's pool statistics."""
+
+    total_allocated: int = 0
+    current_in_use: int = 0
+    allocation_requests: int = 0
+    free_requests: int = 0
+    pool_hits: int = 0
+    pool_misses: int = 0
+
+
+class HostBufferPool:
+    """FIFO pool of host buffers per (shape, dtype)."""
+
+    def __init__(self, *, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+        self.stats = PoolStats()
+        # key -> free buffers, each with the event its last reader recorded (None: free now)
+        self._free: dict[PoolKey, deque[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
+
+    def acquire(
+        self, shape: torch.Size, dtype: torch.dtype, stream: torch.cuda.Stream | None
+    ) -> tuple[torch.Tensor, bool]:
+        """A buffer of ``shape``/``dtype`` and whether it came from the pool.
+
+        ``stream`` (the D2H stream on CUDA) is made to wait for the buffer's pending reader.
+        """
+        self.stats.allocation_requests += 1
+        self.stats.current_in_use += 1
+        free = self._free.setdefault((tuple(shape), dtype), deque())
+        if free:
+            buffer, pending_read = free.popleft()
+            if pending_read is not None and stream is not None:
+                stream.wait_event(pending_read)
+            self.stats.pool_hits += 1
+            return buffer, True
+        self.stats.pool_misses += 1
+        self.stats.total_allocated += 1
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin_memory), False
+
+    def release(self, buffer: torch.Tensor, pending_read: torch.cuda.Event | None) -> None:
+        """Return ``buffer``; ``pending_read`` completes when its last H2D copy has finished."""
+        self.stats.free_requests += 1
+        self.stats.current_in_use -= 1
+        self._free[(tuple(buffer.shape), buffer.dtype)].append((buffer, pending_read))
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes held by free buffers (what the pool keeps between iterations)."""
+        return sum(
+            buf.numel() * buf.element_size() for free in self._free.values() for buf, _ in free
+        )
+
+    def clear(self) -> None:
+        """Drop every buffer."""
+        self._free.clear()

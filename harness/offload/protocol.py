@@ -1,0 +1,143 @@
+"""What an offloader backend implements, and the accounting records it may report.
+
+Model code drives an offloader at group boundaries, the way Megatron-Core's layers drive its
+fine-grained offloading interface:
+
+    group = off.group("core_attn", query, layer=i)   # start: query passes an identity op
+    with group:                                       # saved-tensor hooks live only here
+        out = core_attention(group.input, key, value)
+    out = group.commit(out, release=(query, key, value))   # commit: identity op on out
+
+The training runner brackets microbatches and iterations:
+
+    off.begin_microbatch(m)   # before the forward of microbatch m (one "chunk")
+    ...forward/backward of every microbatch, in the schedule's order...
+    off.end_iteration()       # after the optimizer step (Megatron's reset); the first one that
+                              # saw groups ends the warmup iteration
+
+A backend is a factory ``(config, device) -> Offloader``; see ``harness.offload.backends``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Protocol, TypeVar, runtime_checkable
+
+import torch
+
+from harness.offload.config import OffloadConfig
+
+Output = TypeVar("Output")
+
+
+@runtime_checkable
+class Group(Protocol):
+    """One group occurrence (one name, one layer, one microbatch)."""
+
+    input: torch.Tensor
+    """The start tensor after the start identity op; the group's module must consume this."""
+
+    def __enter__(self) -> Group: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+    def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
+        """Pass ``output`` (a tensor, or element 0 of a tuple/list) through the commit identity
+        op, start the group's D2H if policy says so, and free ``release`` tensors' storage if the
+        group was offloaded."""
+        ...
+
+
+@runtime_checkable
+class Offloader(Protocol):
+    """An activation offloader as the harness drives it."""
+
+    name: str
+    """Backend name for reports (``reference``, ``none``, ``mcore``, ``broken.stale_pool`` ...)."""
+
+    def begin_microbatch(self, microbatch: int) -> None:
+        """The forward of ``microbatch`` is about to start (Megatron: init_chunk_handler)."""
+        ...
+
+    def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
+        """Open group ``name`` of ``layer`` on input ``x``. Unselected names and a disabled
+        offloader return a pass-through group."""
+        ...
+
+    def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
+        """Never offload these tensors (or any tensor sharing their storage)."""
+        ...
+
+    def end_iteration(self) -> None:
+        """End of an optimizer step: reset per-iteration state (Megatron's reset)."""
+        ...
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Turn the offloader off (no hooks, groups or copies) or back on."""
+        ...
+
+    def iteration_logs(self) -> list[IterationLog]:
+        """Accounting of every finished iteration, oldest first ([] if the backend keeps none)."""
+        ...
+
+    def close(self) -> None:
+        """Release streams, pinned memory and hooks; the object is unusable afterwards."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupRecord:
+    """What happened to one group occurrence in one iteration."""
+
+    microbatch: int
+    layer: int
+    name: str
+    decision: str
+    """``offloaded`` or ``kept:<policy>`` (margin, last_of_name, delta, fraction)."""
+    tracked: int
+    """Tensors the saved-tensor hook took into the group."""
+    d2h_copies: int = 0
+    d2h_bytes: int = 0
+    h2d_copies: int = 0
+    h2d_bytes: int = 0
+    released: int = 0
+    """Tensors whose storage was freed by the commit's forced release."""
+    pool_hits: int = 0
+    pool_misses: int = 0
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        """(microbatch, layer, name): the identity of a group occurrence within an iteration."""
+        return (self.microbatch, self.layer, self.name)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IterationLog:
+    """Accounting of one iteration (forward + backward of every microbatch)."""
+
+    iteration: int
+    warmup: bool
+    groups: tuple[GroupRecord, ...]
+    leaked_tensors: int = 0
+    """Tracked tensors never unpacked by backward (non-zero is a leak)."""
+    pool_in_use: int = 0
+    """Pinned pool buffers still handed out at the end of the iteration (non-zero is a leak)."""
+    pool_allocated: int = 0
+    """Pinned pool buffers allocated so far (stops growing after the warmup)."""
+    summary_bytes: dict[str, int] = field(default_factory=dict)
+    """Post-warmup summary, per name (only on the warmup iteration's log)."""
+
+    @property
+    def d2h_bytes(self) -> int:
+        return sum(g.d2h_bytes for g in self.groups)
+
+    @property
+    def h2d_bytes(self) -> int:
+        return sum(g.h2d_bytes for g in self.groups)

@@ -1,0 +1,641 @@
+"""The bundled reference offloader: Megatron-Core's fine-grained activation offloading semantics,
+written from scratch around one explicit per-run ``OffloadContext``.
+
+Vocabulary
+    chunk   - the groups of one microbatch's forward (Megatron: a ChunkOffloadHandler).
+    group   - one occurrence of a named group (``core_attn`` of layer 3 in microbatch 1): the
+              tensors autograd saved while its ``with`` block ran.
+    warmup  - the first iteration that opened a group. It records the chunk/group structure and
+              offloads every selected group; at its end the post-warmup policies
+              (``harness.offload.policy``) decide which groups stay on the device afterwards.
+
+Where we deliberately differ from Megatron-Core (each difference removes a known bug class):
+    * No singleton: a context per run owns streams, pool, policy state and the transfer log.
+    * Tags carry their group (hence chunk): a saved tensor always comes back from the microbatch
+      that saved it, however forwards and backwards interleave.
+    * Every H2D waits for the D2H that filled its buffer, also when backward unpacks a tensor
+      before any prefetch reloaded it (Megatron #7398's inline path has no such edge).
+    * A pooled host buffer returns with the event of its H2D; its next D2H waits for that event.
+    * A no-grad forward opens no groups, so it can never be taken as the warmup.
+    * After the warmup, a microbatch or group the warmup did not record is an error, not a
+      silent remap or a silent "no offload".
+
+Stream discipline on CUDA (none of it blocks the host):
+    commit   d2h.wait_stream(compute); copies on d2h; src.record_stream(d2h); d2h event
+    reload   h2d.wait_stream(compute); h2d.wait_event(d2h event); copies on h2d; reload event
+    use      compute.wait_event(reload event) before the first unpack / at commit-backward
+On CPU the same bookkeeping runs with synchronous copies into separate host buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from harness.offload.config import MOE_EXPERT_NAMES, OffloadConfig
+from harness.offload.passthrough import PassThroughGroup, apply_to_first
+from harness.offload.policy import apply_post_warmup
+from harness.offload.pool import HostBufferPool
+from harness.offload.protocol import GroupRecord, IterationLog, Output
+from harness.offload.ranges import range_name
+
+# A non-contiguous view covering at least this share of its storage is copied as the whole flat
+# storage (one DMA, layout restored on reload); a sparser view is gathered to contiguous.
+FULL_STORAGE_MIN_COVERAGE = 0.5
+
+# Group status within an iteration.
+_OPEN, _KEPT, _OFFLOADED, _RELOADING = "open", "kept", "offloaded", "reloading"
+
+
+class StructureChangedError(RuntimeError):
+    """The steady-state group sequence differs from the one the warmup recorded."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RaceDelays:
+    """GPU sleep cycles injected to widen race windows (``torch.cuda._sleep``); CUDA only."""
+
+    d2h: int = 0
+    """Before each group's D2H copies, on the D2H stream."""
+    h2d: int = 0
+    """Before each group's H2D copies, on the H2D stream."""
+    compute: int = 0
+    """After each offloaded commit, on the compute stream."""
+
+    def __post_init__(self) -> None:
+        for name in ("d2h", "h2d", "compute"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"RaceDelays.{name} must be an int >= 0 (cycles), got {value!r}")
+
+
+class _HostCopy:
+    """An offloaded saved tensor: its host buffer and how to rebuild the device view."""
+
+    __slots__ = ("buffer", "pooled", "view")
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        view: tuple[tuple[int, ...], tuple[int, ...], int] | None,
+        pooled: bool,
+    ) -> None:
+        self.buffer = buffer
+        self.view = view
+        self.pooled = pooled
+
+
+class _Tag:
+    """What autograd holds instead of a tracked tensor: the group and the slot in it."""
+
+    __slots__ = ("group", "slot")
+
+    def __init__(self, group: _Group, slot: int) -> None:
+        self.group = group
+        self.slot = slot
+
+
+class _Group:
+    """One group occurrence. Created in the warmup, reused (same object) every iteration after."""
+
+    def __init__(self, chunk: _Chunk, name: str, layer: int, cuda: bool) -> None:
+        self.chunk = chunk
+        self.name = name
+        self.layer = layer
+        self.use_pool = name not in MOE_EXPERT_NAMES  # MoE shapes vary with routing
+        # post-warmup policy state
+        self.offload = True
+        self.decision = "offloaded"
+        self.warmup_bytes = 0
+        self.last_of_name = False
+        self.d2h_event = torch.cuda.Event() if cuda else None
+        self.reload_event = torch.cuda.Event() if cuda else None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.entries: dict[int, torch.Tensor | _HostCopy] = {}
+        self.status = _OPEN
+        self.iter_decision = "open"
+        self.waited = False
+        self.counts = {"d2h_copies": 0, "d2h_bytes": 0, "h2d_copies": 0, "h2d_bytes": 0}
+        self.tracked = 0
+        self.released = 0
+        self.pool_hits = 0
+        self.pool_misses = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (microbatch {self.chunk.microbatch}, layer {self.layer})"
+
+    def record(self) -> GroupRecord:
+        return GroupRecord(
+            microbatch=self.chunk.microbatch,
+            layer=self.layer,
+            name=self.name,
+            decision=self.iter_decision,
+            tracked=self.tracked,
+            released=self.released,
+            pool_hits=self.pool_hits,
+            pool_misses=self.pool_misses,
+            **self.counts,
+        )
+
+
+class _Chunk:
+    """The groups of one microbatch's forward, in start order."""
+
+    def __init__(self, microbatch: int) -> None:
+        self.microbatch = microbatch
+        self.groups: list[_Group] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self.cursor = 0  # steady state: next warmup group expected
+        self.to_reload: list[_Group] = []  # committed and offloaded, LIFO
+        self.forward_done = False
+        self.backward_started = False
+        self.active = False  # begun in this iteration
+
+
+class _Handle:
+    """A selected group as model code sees it (see ``harness.offload.protocol.Group``)."""
+
+    __slots__ = ("_ctx", "_group", "_hooks", "input")
+
+    def __init__(self, ctx: OffloadContext, group: _Group, x: torch.Tensor) -> None:
+        self._ctx = ctx
+        self._group = group
+        self._hooks: Any = None
+        self.input = _GroupStart.apply(x, ctx, group)
+
+    def __enter__(self) -> _Handle:
+        group, ctx = self._group, self._ctx
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda t: ctx._pack(group, t), ctx._unpack
+        )
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._hooks.__exit__(exc_type, exc, tb)
+        self._hooks = None
+
+    def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
+        ctx, group, release = self._ctx, self._group, tuple(release)
+        return apply_to_first(output, lambda t: _GroupCommit.apply(t, ctx, group, release))
+
+
+class _GroupStart(torch.autograd.Function):
+    """Identity; its backward (the end of the group's backward) prefetches the next reload."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, off: OffloadContext, group: _Group) -> torch.Tensor:
+        ctx.off, ctx.group = off, group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.off._start_backward(ctx.group)
+        return grad, None, None
+
+
+class _GroupCommit(torch.autograd.Function):
+    """Identity; its forward offloads the group, its backward orders compute after the reload."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        off: OffloadContext,
+        group: _Group,
+        release: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
+        ctx.off, ctx.group = off, group
+        off._commit_forward(group, release)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        ctx.off._commit_backward(ctx.group)
+        return grad, None, None, None
+
+
+class OffloadContext:
+    """Backend ``reference``: one training run's activation offloader."""
+
+    name = "reference"
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        device: torch.device | str,
+        *,
+        delays: RaceDelays | None = None,
+    ) -> None:
+        self.config = config
+        self.device = _normalize(torch.device(device))
+        self.cuda = self.device.type == "cuda"
+        self.delays = delays or RaceDelays()
+        if not self.cuda and self.delays != RaceDelays():
+            raise ValueError("race-provocation delays need a CUDA device")
+        self._d2h = torch.cuda.Stream(self.device) if self.cuda else None
+        self._h2d = torch.cuda.Stream(self.device) if self.cuda else None
+        self.pool = HostBufferPool(pin_memory=self.cuda)
+        self.enabled = True
+        self.warmup = True
+        self.summary_bytes: dict[str, int] = {}
+        self._chunks: dict[int, _Chunk] = {}  # by microbatch, in forward order
+        self._backward_order: list[_Chunk] = []
+        self._backward_started: list[_Chunk] = []  # this iteration
+        self._current: _Chunk | None = None
+        self._pending_d2h: dict[str, deque[torch.cuda.Event | None]] = {}
+        self._marked: dict[tuple[str, int], torch.Tensor] = {}
+        self._logs: list[IterationLog] = []
+
+    # ----------------------------------------------------------------- protocol: runner side
+    def begin_microbatch(self, microbatch: int) -> None:
+        if self._current is not None:
+            self._current.forward_done = True
+        self._current = None
+        if not self.enabled or not torch.is_grad_enabled():
+            return
+        chunk = self._chunks.get(microbatch)
+        if chunk is None:
+            if not self.warmup:
+                raise StructureChangedError(
+                    f"microbatch {microbatch} was not run in the warmup iteration "
+                    f"(it recorded microbatches {sorted(self._chunks)}); offloading needs the "
+                    "same microbatches every iteration"
+                )
+            chunk = self._chunks[microbatch] = _Chunk(microbatch)
+        elif chunk.active:
+            raise RuntimeError(f"microbatch {microbatch} started twice in one iteration")
+        chunk.active = True
+        self._current = chunk
+
+    def group(self, name: str, x: torch.Tensor, *, layer: int) -> _Handle | PassThroughGroup:
+        chunk = self._current
+        if (
+            chunk is None
+            or not self.enabled
+            or name not in self.config.selected
+            or not torch.is_grad_enabled()
+        ):
+            return PassThroughGroup(x)
+        if self.warmup:
+            group = _Group(chunk, name, layer, self.cuda)
+            chunk.groups.append(group)
+        else:
+            group = self._expect_group(chunk, name, layer)
+        group._reset()
+        return _Handle(self, group, x)
+
+    def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            with contextlib.suppress(AttributeError, RuntimeError):
+                tensor._do_not_offload = True  # type: ignore[attr-defined]
+            # Saved-tensor hooks often see a fresh alias (a detached view of a parameter), not
+            # this Python object, so the mark is kept per storage; the reference keeps the
+            # storage alive, so its address cannot be reused by an activation.
+            self._marked[_storage_key(tensor)] = tensor
+
+    def end_iteration(self) -> None:
+        active = [c for c in self._chunks.values() if c.active]
+        leaked = sum(
+            1 for c in active for g in c.groups for e in g.entries.values() if e is not None
+        )
+        if not self.warmup:
+            for chunk in active:
+                if chunk.cursor != len(chunk.groups):
+                    missing = chunk.groups[chunk.cursor]
+                    raise StructureChangedError(
+                        f"microbatch {chunk.microbatch} ended without opening group "
+                        f"{missing.name} (layer {missing.layer}) that the warmup recorded"
+                    )
+        records = tuple(g.record() for c in active for g in c.groups)
+        summary: dict[str, int] = {}
+        was_warmup = self.warmup and bool(active)
+        if was_warmup:
+            summary = self._post_warmup()
+        self._logs.append(
+            IterationLog(
+                iteration=len(self._logs),
+                warmup=was_warmup,
+                groups=records,
+                leaked_tensors=leaked,
+                pool_in_use=self.pool.stats.current_in_use,
+                pool_allocated=self.pool.stats.total_allocated,
+                summary_bytes=summary,
+            )
+        )
+        for chunk in self._chunks.values():
+            for group in chunk.groups:
+                group.entries = {}
+            chunk._reset()
+        self.pool.stats.current_in_use = 0
+        self._pending_d2h.clear()
+        self._backward_started = []
+        self._current = None
+
+    def set_enabled(self, enabled: bool) -> None:
+        self.enabled = bool(enabled)
+
+    def iteration_logs(self) -> list[IterationLog]:
+        return list(self._logs)
+
+    def close(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._d2h)
+            torch.cuda.current_stream(self.device).wait_stream(self._h2d)
+        self.pool.clear()
+        self._chunks.clear()
+        self._marked.clear()
+
+    # ------------------------------------------------------------------------- forward side
+    def _expect_group(self, chunk: _Chunk, name: str, layer: int) -> _Group:
+        if chunk.cursor < len(chunk.groups):
+            group = chunk.groups[chunk.cursor]
+            if (group.name, group.layer) == (name, layer):
+                chunk.cursor += 1
+                return group
+            recorded = f"{group.name} (layer {group.layer})"
+        else:
+            recorded = "no further group"
+        raise StructureChangedError(
+            f"microbatch {chunk.microbatch}: group #{chunk.cursor} is {name} (layer {layer}) but "
+            f"the warmup recorded {recorded}; the group structure changed after the warmup"
+        )
+
+    def _pack(self, group: _Group, tensor: torch.Tensor) -> Any:
+        if not self._trackable(tensor):
+            return tensor
+        slot = len(group.entries)
+        group.entries[slot] = tensor
+        return _Tag(group, slot)
+
+    def _trackable(self, tensor: torch.Tensor) -> bool:
+        return (
+            tensor.device == self.device
+            and not isinstance(tensor, torch.nn.Parameter)
+            and not _is_fake_or_functional(tensor)
+        )
+
+    def _eligible(self, tensor: torch.Tensor) -> bool:
+        numel = tensor.numel()
+        return (
+            numel > 0
+            and numel >= self.config.min_offloaded_tensor_size
+            and not getattr(tensor, "_do_not_offload", False)
+            and not getattr(tensor, "_TE_do_not_offload", False)
+            and _storage_key(tensor) not in self._marked
+        )
+
+    def _commit_forward(self, group: _Group, release: tuple[torch.Tensor, ...]) -> None:
+        group.tracked = len(group.entries)
+        decision = self._decide(group)
+        group.iter_decision = decision
+        if decision != "offloaded":
+            group.status = _KEPT
+            return
+        self._offload(group)
+        group.chunk.to_reload.append(group)
+        self._release(group, release)
+        self._cap_inflight(group)
+
+    def _decide(self, group: _Group) -> str:
+        if self.warmup:
+            return "offloaded"
+        if not group.offload:
+            return group.decision
+        # Runtime margin: if this chunk's backward comes next, its last group of a name would be
+        # reloaded right after being offloaded.
+        if group.last_of_name and self._next_backward_chunk(group.name) is group.chunk:
+            return "kept:last_of_name"
+        return "offloaded"
+
+    def _next_backward_chunk(self, name: str) -> _Chunk | None:
+        for chunk in self._backward_order:
+            if not chunk.backward_started and any(g.name == name for g in chunk.groups):
+                return chunk
+        return None
+
+    def _offload(self, group: _Group) -> None:
+        if self.cuda:
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on_stream(self._d2h, self.delays.d2h), record_function(
+            range_name("d2h", group.name, group.chunk.microbatch, group.layer)
+        ):
+            for slot, tensor in list(group.entries.items()):
+                if isinstance(tensor, torch.Tensor) and self._eligible(tensor):
+                    group.entries[slot] = self._copy_out(group, tensor)
+            if self.cuda:
+                group.d2h_event.record(self._d2h)
+        group.status = _OFFLOADED
+        if self.cuda and self.delays.compute:
+            torch.cuda._sleep(self.delays.compute)
+
+    def _copy_out(self, group: _Group, tensor: torch.Tensor) -> _HostCopy:
+        src, view = _transfer_source(tensor)
+        if group.use_pool:
+            buffer, hit = self.pool.acquire(src.shape, src.dtype, self._d2h)
+            group.pool_hits += hit
+            group.pool_misses += not hit
+        else:
+            buffer = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=self.cuda)
+        buffer.copy_(src, non_blocking=self.cuda)
+        if self.cuda:
+            # The source may be freed as soon as we drop it; its memory must not be reused
+            # before this copy has read it.
+            tensor.record_stream(self._d2h)
+        nbytes = buffer.numel() * buffer.element_size()
+        group.counts["d2h_copies"] += 1
+        group.counts["d2h_bytes"] += nbytes
+        if self.warmup:
+            group.warmup_bytes += nbytes
+        return _HostCopy(buffer, view, group.use_pool)
+
+    def _release(self, group: _Group, release: tuple[torch.Tensor, ...]) -> None:
+        for tensor in release:
+            if tensor is None or not self._trackable(tensor) or not self._eligible(tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0:
+                continue
+            if self.cuda:
+                tensor.record_stream(self._d2h)
+            storage.resize_(0)
+            group.released += 1
+
+    def _cap_inflight(self, group: _Group) -> None:
+        cap = self.config.max_inflight_offloads
+        if cap is None:
+            return
+        pending = self._pending_d2h.setdefault(group.name, deque())
+        pending.append(group.d2h_event)
+        while len(pending) > cap:
+            event = pending.popleft()
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+
+    # ------------------------------------------------------------------------ backward side
+    def _backward_begins(self, chunk: _Chunk) -> None:
+        if chunk.backward_started:
+            return
+        chunk.backward_started = True
+        if self._current is not None:
+            self._current.forward_done = True  # backward never starts mid-forward
+        self._backward_started.append(chunk)
+        if self.warmup:
+            self._backward_order.append(chunk)
+
+    def _commit_backward(self, group: _Group) -> None:
+        self._backward_begins(group.chunk)
+        self._wait_reload(group)
+
+    def _start_backward(self, group: _Group) -> None:
+        # The group's backward is done: prefetch the next offloaded group, LIFO within the chunk,
+        # else the last offloaded group of the next chunk to run backward if its forward is done.
+        nxt = _pop_offloaded(group.chunk.to_reload)
+        if nxt is None:
+            following = next((c for c in self._backward_order if not c.backward_started), None)
+            if following is not None and following.forward_done:
+                nxt = _pop_offloaded(following.to_reload)
+        if nxt is not None:
+            self._reload(nxt)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Tag):
+            return packed
+        group = packed.group
+        self._backward_begins(group.chunk)
+        if group.status == _OFFLOADED:
+            self._reload(group)  # nobody prefetched it: reload now, still after its D2H
+        self._wait_reload(group)
+        try:
+            value = group.entries.pop(packed.slot)
+        except KeyError:
+            raise RuntimeError(
+                f"a saved tensor of group {group.label} was unpacked twice; the offloader hands "
+                "each saved tensor back once (retain_graph/double backward is not supported)"
+            ) from None
+        assert isinstance(value, torch.Tensor), "reloaded group still holds a host copy"
+        return value
+
+    def _wait_reload(self, group: _Group) -> None:
+        if group.status == _RELOADING and not group.waited:
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(group.reload_event)
+            group.waited = True
+
+    def _reload(self, group: _Group) -> None:
+        if self.cuda:
+            # Reloaded tensors are allocated on the H2D stream: order this allocation after all
+            # compute so far (which may still read memory the allocator is about to hand out),
+            # and the copies after the D2H that filled the host buffers.
+            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
+            self._h2d.wait_event(group.d2h_event)
+        returned: list[torch.Tensor] = []
+        with self._on_stream(self._h2d, self.delays.h2d), record_function(
+            range_name("h2d", group.name, group.chunk.microbatch, group.layer)
+        ):
+            for slot, entry in list(group.entries.items()):
+                if isinstance(entry, _HostCopy):
+                    group.entries[slot] = self._copy_in(group, entry)
+                    if entry.pooled:
+                        returned.append(entry.buffer)
+            if self.cuda:
+                group.reload_event.record(self._h2d)
+        for buffer in returned:
+            self.pool.release(buffer, group.reload_event)
+        group.status = _RELOADING
+
+    def _copy_in(self, group: _Group, entry: _HostCopy) -> torch.Tensor:
+        buffer = entry.buffer
+        restored = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device)
+        restored.copy_(buffer, non_blocking=self.cuda)
+        group.counts["h2d_copies"] += 1
+        group.counts["h2d_bytes"] += buffer.numel() * buffer.element_size()
+        if entry.view is not None:
+            size, stride, offset = entry.view
+            restored = restored.as_strided(size, stride, offset)
+        return restored
+
+    # ------------------------------------------------------------------------------ helpers
+    @contextlib.contextmanager
+    def _on_stream(self, stream: torch.cuda.Stream | None, delay: int) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        with torch.cuda.stream(stream):
+            if delay:
+                torch.cuda._sleep(delay)
+            yield
+
+    def _post_warmup(self) -> dict[str, int]:
+        forward = list(self._chunks.values())
+        backward = self._backward_order + [c for c in forward if c not in self._backward_order]
+        self._backward_order = backward
+        for chunk in forward:
+            last: dict[str, _Group] = {}
+            for group in chunk.groups:
+                last[group.name] = group
+            for group in last.values():
+                group.last_of_name = True
+        self.summary_bytes = apply_post_warmup(
+            forward,
+            backward,
+            pp_rank=self.config.pp_rank,
+            delta_bytes=self.config.delta_offload_bytes_across_pp_ranks,
+            fraction=self.config.activation_offload_fraction,
+        )
+        self.warmup = False
+        return dict(self.summary_bytes)
+
+
+def _pop_offloaded(stack: list[_Group]) -> _Group | None:
+    while stack:
+        group = stack.pop()
+        if group.status == _OFFLOADED:
+            return group
+    return None
+
+
+def _transfer_source(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """What to copy for ``tensor``: itself, or its whole flat storage plus the view to restore."""
+    if tensor.is_contiguous():
+        return tensor, None
+    storage = tensor.untyped_storage()
+    nbytes, itemsize = storage.nbytes(), tensor.element_size()
+    if nbytes % itemsize or tensor.numel() * itemsize < FULL_STORAGE_MIN_COVERAGE * nbytes:
+        return tensor, None  # gather: copy_ makes it contiguous
+    flat = tensor.new_empty(0).set_(storage, 0, (nbytes // itemsize,), (1,))
+    return flat, (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+
+
+def _normalize(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _is_fake_or_functional(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(tensor, FakeTensor | FunctionalTensor)

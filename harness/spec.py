@@ -1,0 +1,339 @@
+"""Frozen specs: the layer-pattern parser, model and run specs, and the named presets.
+
+A spec is shared by the baseline run and the offload run, so every spec is a frozen,
+keyword-only, slotted dataclass validated in ``__post_init__``; bad values raise a
+``ValueError`` whose single line says what is allowed.
+
+Layer pattern symbols follow Megatron-Core's hybrid models:
+
+    ``+`` MLA (multi-latent attention)      ``*`` standard attention
+    ``-`` dense SwiGLU MLP                  ``E`` mixture of experts
+
+Each symbol also fixes the offload groups its layer opens, in start order
+(``GROUP_TEMPLATES``); the models, the predictor and config validation all read that one table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+LAYER_SYMBOLS: dict[str, str] = {
+    "+": "mla",
+    "*": "attention",
+    "-": "mlp",
+    "E": "moe",
+}
+"""Legal pattern symbols and the layer kind each builds."""
+
+ALL_GROUP_NAMES: tuple[str, ...] = (
+    "attn_norm",
+    "qkv_linear",
+    "core_attn",
+    "attn_proj",
+    "mlp_norm",
+    "expert_fc1",
+    "moe_act",
+    "fused_group_mlp",
+)
+"""Offload group names the harness models can open (Megatron's ``gdp_qkv`` has no layer here)."""
+
+MoEPath = Literal["unfused", "fused"]
+
+
+def group_template(symbol: str, moe_path: MoEPath = "unfused") -> tuple[str, ...]:
+    """Offload groups a layer of ``symbol`` opens, in start order (Megatron's templates).
+
+    ``+``: the MLA layer has a real input norm, so attn_norm wraps the whole attention block.
+    ``*``: standard attention fuses its norm into the QKV projection, so there is no attn_norm.
+    ``-``: the dense MLP layer fuses its norm into fc1 and dense MLPs are not wired: no groups.
+    ``E``: the MoE layer has a real pre-MLP norm; experts are either fc1/act (unfused) or one
+    fused unit.
+    """
+    if symbol == "+":
+        return ("attn_norm", "qkv_linear", "core_attn", "attn_proj")
+    if symbol == "*":
+        return ("qkv_linear", "core_attn", "attn_proj")
+    if symbol == "-":
+        return ()
+    if symbol == "E":
+        experts = ("expert_fc1", "moe_act") if moe_path == "unfused" else ("fused_group_mlp",)
+        return ("mlp_norm", *experts)
+    raise ValueError(f"unknown layer symbol {symbol!r}; legal: {_legal_symbols()}")
+
+
+def _legal_symbols() -> str:
+    return ", ".join(f"'{s}' ({kind})" for s, kind in LAYER_SYMBOLS.items())
+
+
+def parse_pattern(pattern: str) -> tuple[str, ...]:
+    """Parse a hybrid layer pattern into a tuple of layer symbols, one per layer.
+
+    Rules (Megatron's, restricted to what one pipeline stage without MTP can run):
+    empty is an error; every character must be a layer symbol; ``*`` and ``+`` cannot be mixed
+    (standard attention and MLA in one model); ``|`` and ``/`` are rejected with their meaning.
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"layer pattern must be a non-empty string of {_legal_symbols()}")
+    if "|" in pattern:
+        raise ValueError(
+            f"pattern {pattern!r}: '|' marks pipeline-stage boundaries; the harness runs one "
+            "pipeline stage, so write the pattern without '|'"
+        )
+    if "/" in pattern:
+        raise ValueError(
+            f"pattern {pattern!r}: '/' starts multi-token-prediction layers, which the harness "
+            "models do not build; write the main pattern only"
+        )
+    for index, symbol in enumerate(pattern):
+        if symbol not in LAYER_SYMBOLS:
+            raise ValueError(
+                f"pattern {pattern!r}: unknown symbol {symbol!r} at position {index}; "
+                f"legal: {_legal_symbols()}"
+            )
+    if "*" in pattern and "+" in pattern:
+        raise ValueError(
+            f"pattern {pattern!r} mixes '*' (attention) and '+' (MLA); a model uses one or the other"
+        )
+    return tuple(pattern)
+
+
+def _check_positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """Everything that fixes a model's structure and its input shapes."""
+
+    pattern: str
+    """Hybrid layer pattern, e.g. ``"+-+-+-"`` (see module docstring)."""
+    hidden_size: int = 64
+    """Residual-stream width D."""
+    num_heads: int = 4
+    """Attention heads H (MLA and standard attention)."""
+    ffn_hidden_size: int = 128
+    """Dense SwiGLU MLP inner width F."""
+    vocab_size: int = 128
+    """Vocabulary size V."""
+    seq_length: int = 32
+    """Tokens per sequence T."""
+    micro_batch_size: int = 2
+    """Sequences per microbatch B."""
+    q_lora_rank: int = 32
+    """MLA query compression rank."""
+    kv_lora_rank: int = 32
+    """MLA key/value compression rank."""
+    qk_nope_head_dim: int = 16
+    """MLA per-head query/key width without rotary embedding."""
+    qk_rope_head_dim: int = 8
+    """MLA per-head query/key rotary width (shared key part across heads); even."""
+    v_head_dim: int = 16
+    """MLA per-head value width."""
+    num_experts: int = 4
+    """Experts per MoE layer E."""
+    moe_topk: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int = 64
+    """Expert SwiGLU inner width."""
+    moe_capacity_factor: float = 2.0
+    """Expert capacity = ceil(tokens * topk / experts * factor); extra tokens are dropped."""
+    moe_path: MoEPath = "unfused"
+    """``unfused``: fc1 -> act -> fc2 (groups expert_fc1, moe_act); ``fused``: one unit
+    (group fused_group_mlp)."""
+    layers: tuple[str, ...] = field(init=False)
+    """The parsed pattern, one symbol per layer."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", parse_pattern(self.pattern))
+        _check_positive(
+            self,
+            "hidden_size",
+            "num_heads",
+            "ffn_hidden_size",
+            "vocab_size",
+            "seq_length",
+            "micro_batch_size",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "num_experts",
+            "moe_topk",
+            "moe_ffn_hidden_size",
+        )
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"ModelSpec.hidden_size ({self.hidden_size}) must be divisible by num_heads "
+                f"({self.num_heads})"
+            )
+        if (self.hidden_size // self.num_heads) % 2 or self.qk_rope_head_dim % 2:
+            raise ValueError("ModelSpec: rotary widths (head dim, qk_rope_head_dim) must be even")
+        if self.moe_topk > self.num_experts:
+            raise ValueError(
+                f"ModelSpec.moe_topk ({self.moe_topk}) must be <= num_experts ({self.num_experts})"
+            )
+        if not self.moe_capacity_factor > 0:
+            raise ValueError(
+                f"ModelSpec.moe_capacity_factor must be > 0, got {self.moe_capacity_factor!r}"
+            )
+        if self.moe_path not in ("unfused", "fused"):
+            raise ValueError(
+                f"ModelSpec.moe_path must be 'unfused' or 'fused', got {self.moe_path!r}"
+            )
+
+    @property
+    def group_names(self) -> tuple[str, ...]:
+        """Distinct offload group names this model opens, in first-start order."""
+        names: dict[str, None] = {}
+        for symbol in self.layers:
+            names.update(dict.fromkeys(group_template(symbol, self.moe_path)))
+        return tuple(names)
+
+    def group_sequence(self, selected: tuple[str, ...] | frozenset[str]) -> tuple[tuple[int, str], ...]:
+        """(layer, name) of every group one microbatch opens, in start order, for a selection."""
+        return tuple(
+            (layer, name)
+            for layer, symbol in enumerate(self.layers)
+            for name in group_template(symbol, self.moe_path)
+            if name in selected
+        )
+
+    def replace(self, **changes: object) -> ModelSpec:
+        """A copy with fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+Schedule = Literal["sequential", "gpipe", "1f1b"]
+Precision = Literal["fp32", "bf16"]
+SCHEDULES: tuple[str, ...] = ("sequential", "gpipe", "1f1b")
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunSpec:
+    """How a model is trained: steps, microbatches, schedule, precision, optimizer."""
+
+    steps: int = 6
+    """Optimizer steps (iterations); the first one is the offloader's warmup."""
+    microbatches: int = 2
+    """Microbatches per step (gradient accumulation)."""
+    schedule: Schedule = "sequential"
+    """Order of forwards and backwards inside a step: ``sequential`` (F0 B0 F1 B1 ...),
+    ``gpipe`` (all forwards, then all backwards), ``1f1b`` (F0, then F(i) B(i-1), then last B)."""
+    precision: Precision = "fp32"
+    """``fp32``; or ``bf16``: BF16 compute and gradients, FP32 main weights in the optimizer."""
+    grad_clip: float | None = 1.0
+    """Global-norm gradient clipping threshold; None disables clipping."""
+    optimizer: str = "adamw"
+    """``adamw``, ``adam`` or ``sgd``."""
+    lr: float = 1e-3
+    """Learning rate."""
+    seed: int = 1234
+    """Seed of the weight generator and of the data generator."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "steps", "microbatches")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"RunSpec.schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}"
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"RunSpec.precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}"
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"RunSpec.optimizer must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}"
+            )
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"RunSpec.grad_clip must be > 0 or None, got {self.grad_clip!r}")
+        if not self.lr > 0:
+            raise ValueError(f"RunSpec.lr must be > 0, got {self.lr!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"RunSpec.seed must be a non-negative int, got {self.seed!r}")
+
+    def replace(self, **changes: object) -> RunSpec:
+        """A copy with fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _hybrid_tiny() -> ModelSpec:
+    return ModelSpec(pattern="+-+-+-")
+
+
+def _hybrid_small() -> ModelSpec:
+    # Several MiB per group on a GPU: core_attn's softmax output alone is
+    # B*H*T*T*2 bytes = 2*16*1024*1024*2 = 64 MiB in bf16.
+    return ModelSpec(
+        pattern="+-+-+-",
+        hidden_size=1024,
+        num_heads=16,
+        ffn_hidden_size=4096,
+        vocab_size=4096,
+        seq_length=1024,
+        micro_batch_size=2,
+        q_lora_rank=512,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+    )
+
+
+def _moe_tiny(moe_path: MoEPath = "unfused") -> ModelSpec:
+    return ModelSpec(pattern="*E*E", moe_path=moe_path)
+
+
+def _moe_small(moe_path: MoEPath = "unfused") -> ModelSpec:
+    return ModelSpec(
+        pattern="*E*E",
+        hidden_size=1024,
+        num_heads=16,
+        ffn_hidden_size=4096,
+        vocab_size=4096,
+        seq_length=1024,
+        micro_batch_size=2,
+        num_experts=8,
+        moe_topk=2,
+        moe_ffn_hidden_size=1024,
+        moe_capacity_factor=1.25,
+        moe_path=moe_path,
+    )
+
+
+def _hybrid_moe_tiny() -> ModelSpec:
+    return ModelSpec(pattern="+E+-+E")
+
+
+def _hybrid_moe_small() -> ModelSpec:
+    return _hybrid_small().replace(
+        pattern="+E+-+E", num_experts=8, moe_ffn_hidden_size=1024, moe_capacity_factor=1.25
+    )
+
+
+PRESETS = {
+    "hybrid-tiny": _hybrid_tiny,
+    "hybrid-small": _hybrid_small,
+    "moe-tiny": _moe_tiny,
+    "moe-tiny-fused": lambda: _moe_tiny("fused"),
+    "moe-small": _moe_small,
+    "moe-small-fused": lambda: _moe_small("fused"),
+    "hybrid-moe": _hybrid_moe_tiny,
+    "hybrid-moe-small": _hybrid_moe_small,
+}
+"""Named model presets; ``-tiny`` ones are CPU sized, ``-small`` ones GPU sized."""
+
+
+def preset(name: str) -> ModelSpec:
+    """The named preset (exact name, no fuzzy lookup)."""
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None
