@@ -195,7 +195,9 @@ class ModelSpec:
             names.update(dict.fromkeys(group_template(symbol, self.moe_path)))
         return tuple(names)
 
-    def group_sequence(self, selected: tuple[str, ...] | frozenset[str]) -> tuple[tuple[int, str], ...]:
+    def group_sequence(
+        self, selected: tuple[str, ...] | frozenset[str]
+    ) -> tuple[tuple[int, str], ...]:
         """(layer, name) of every group one microbatch opens, in start order, for a selection."""
         return tuple(
             (layer, name)

@@ -27,8 +27,6 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from harness.offload.config import OffloadConfig
-
 Output = TypeVar("Output")
 
 

@@ -106,14 +106,12 @@ class _RecordingGroup:
     def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
         released = tuple(self._owner.describe(t, self._storages) for t in release if t is not None)
         microbatch, layer, name = self._key
-        self._owner.observations[self._index] = (
-            GroupObservation(
-                microbatch=microbatch,
-                layer=layer,
-                name=name,
-                saved=tuple(self._saved),
-                released=released,
-            )
+        self._owner.observations[self._index] = GroupObservation(
+            microbatch=microbatch,
+            layer=layer,
+            name=name,
+            saved=tuple(self._saved),
+            released=released,
         )
         return apply_to_first(output, _Identity.apply)
 

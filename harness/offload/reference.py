@@ -434,8 +434,9 @@ class OffloadContext:
     def _offload(self, group: _Group) -> None:
         if self.cuda:
             self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with self._on_stream(self._d2h, self.delays.d2h), record_function(
-            range_name("d2h", group.name, group.chunk.microbatch, group.layer)
+        with (
+            self._on_stream(self._d2h, self.delays.d2h),
+            record_function(range_name("d2h", group.name, group.chunk.microbatch, group.layer)),
         ):
             for slot, tensor in list(group.entries.items()):
                 if isinstance(tensor, torch.Tensor) and self._eligible(tensor):
@@ -547,8 +548,9 @@ class OffloadContext:
             self._h2d.wait_stream(torch.cuda.current_stream(self.device))
             self._h2d.wait_event(group.d2h_event)
         returned: list[torch.Tensor] = []
-        with self._on_stream(self._h2d, self.delays.h2d), record_function(
-            range_name("h2d", group.name, group.chunk.microbatch, group.layer)
+        with (
+            self._on_stream(self._h2d, self.delays.h2d),
+            record_function(range_name("h2d", group.name, group.chunk.microbatch, group.layer)),
         ):
             for slot, entry in list(group.entries.items()):
                 if isinstance(entry, _HostCopy):

@@ -1,0 +1,96 @@
+"""HybridModel: embedding, one layer per pattern symbol, final norm, output head; its builder,
+deterministic initialisation and the token-batch generator.
+
+Shape legend: B micro-batch size, T sequence length, D hidden size, V vocabulary size.
+
+``build_model(spec, generator)`` is a pure function: two builds from generators seeded alike
+are bitwise identical, and nothing touches the global RNG.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.models.layers import AttentionLayer, MLALayer, MLPLayer, RMSNorm
+from harness.models.moe import MoELayer
+from harness.offload.protocol import Offloader
+from harness.spec import ModelSpec
+
+LAYER_CLASSES: dict[str, type[nn.Module]] = {
+    "+": MLALayer,
+    "*": AttentionLayer,
+    "-": MLPLayer,
+    "E": MoELayer,
+}
+
+INIT_STD = 0.02
+
+
+class HybridModel(nn.Module):
+    """A decoder stack built from a layer pattern; forward takes the offloader explicitly."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embedding = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size))
+        self.layers = nn.ModuleList(LAYER_CLASSES[symbol](spec) for symbol in spec.layers)
+        self.final_norm = RMSNorm(spec.hidden_size)
+        self.head = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size))
+
+    def forward(self, tokens_BT: torch.Tensor, off: Offloader) -> torch.Tensor:
+        """Logits [B, T, V] (Megatron marks parameters not-offloadable on the first forward;
+        marking is idempotent, so it is done on every forward)."""
+        off.mark_not_offloadable(*self.parameters(), *self.buffers())
+        x_BTD = F.embedding(tokens_BT, self.embedding)
+        for index, layer in enumerate(self.layers):
+            x_BTD = layer(x_BTD, off, index)
+        return F.linear(self.final_norm(x_BTD), self.head)
+
+
+def init_weights(model: nn.Module, generator: torch.Generator) -> None:
+    """Norm weights 1, everything else N(0, 0.02), drawn in ``named_parameters`` order."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                values = torch.empty(param.shape, dtype=torch.float32)
+                values.normal_(0.0, INIT_STD, generator=generator)
+                param.copy_(values)
+
+
+def build_model(spec: ModelSpec, generator: torch.Generator) -> HybridModel:
+    """A fp32 CPU model for ``spec`` with weights drawn from ``generator``."""
+    model = HybridModel(spec)
+    init_weights(model, generator)
+    return model
+
+
+def loss_fn(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in fp32."""
+    return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+
+
+def make_batches(spec: ModelSpec, *, seed: int, steps: int, microbatches: int) -> torch.Tensor:
+    """Token sequences [steps, microbatches, B, T + 1], fixed per (seed, step, microbatch).
+
+    Each sequence mostly follows a fixed random successor table (90%) with random jumps, so the
+    model has something to learn and the loss falls. Inputs are ``[..., :-1]``, targets
+    ``[..., 1:]``. Each (step, microbatch) draws from its own generator, so a batch does not
+    depend on how many steps or microbatches a run has.
+    """
+    V, B, T = spec.vocab_size, spec.micro_batch_size, spec.seq_length
+    table = torch.randperm(V, generator=torch.Generator().manual_seed(seed))
+    out = torch.empty(steps, microbatches, B, T + 1, dtype=torch.long)
+    for step in range(steps):
+        for mb in range(microbatches):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + mb + 1)
+            jumps = torch.randint(V, (B, T + 1), generator=gen)
+            follow = torch.rand((B, T + 1), generator=gen) < 0.9
+            seq = out[step, mb]
+            seq[:, 0] = jumps[:, 0]
+            for t in range(1, T + 1):
+                seq[:, t] = torch.where(follow[:, t], table[seq[:, t - 1]], jumps[:, t])
+    return out
