@@ -94,7 +94,7 @@ def parse_pattern(pattern: str) -> tuple[str, ...]:
             )
     if "*" in pattern and "+" in pattern:
         raise ValueError(
-            f"pattern {pattern!r} mixes '*' (attention) and '+' (MLA); a model uses one or the other"
+            f"pattern {pattern!r} mixes '*' (attention) and '+' (MLA); use one or the other"
         )
     return tuple(pattern)
 

@@ -102,7 +102,7 @@ def core_attention(
     q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTV: torch.Tensor, bias_TT: torch.Tensor
 ) -> torch.Tensor:
     """Unfused causal attention (matmul, softmax in fp32, matmul); returns [B, T, H*Dv]."""
-    B, H, T, K = q_BHTK.shape
+    B, _, T, K = q_BHTK.shape
     scores_BHTT = torch.matmul(q_BHTK, k_BHTK.transpose(-2, -1)) * (1.0 / math.sqrt(K))
     scores_BHTT = scores_BHTT + bias_TT.to(scores_BHTT.dtype)
     probs_BHTT = torch.softmax(scores_BHTT.float(), dim=-1).to(q_BHTK.dtype)
