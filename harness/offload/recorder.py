@@ -32,7 +32,8 @@ class SavedInfo:
     itemsize: int
     storage_nbytes: int
     storage_id: int
-    """Identity of the storage within its group observation (for aliasing questions)."""
+    """Identity of the storage within its microbatch's forward (all saved storages are alive
+    then, so addresses cannot be reused between them)."""
     contiguous: bool
     on_device: bool
     """On the device the model runs on (an offloader only tracks those)."""
@@ -80,7 +81,6 @@ class _RecordingGroup:
         self._owner = owner
         self._key = key
         self._saved: list[SavedInfo] = []
-        self._storages: dict[int, int] = {}
         self._hooks: Any = None
         self._index = len(owner.observations)
         owner.observations.append(None)  # filled at commit: observations stay in start order
@@ -100,11 +100,11 @@ class _RecordingGroup:
         self._hooks.__exit__(exc_type, exc, tb)
 
     def _pack(self, tensor: torch.Tensor) -> _Holder:
-        self._saved.append(self._owner.describe(tensor, self._storages))
+        self._saved.append(self._owner.describe(tensor))
         return _Holder(tensor)
 
     def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
-        released = tuple(self._owner.describe(t, self._storages) for t in release if t is not None)
+        released = tuple(self._owner.describe(t) for t in release if t is not None)
         microbatch, layer, name = self._key
         self._owner.observations[self._index] = GroupObservation(
             microbatch=microbatch,
@@ -135,10 +135,12 @@ class RecordingOffloader:
         self.iterations: list[list[GroupObservation]] = []
         """Observations of finished iterations."""
         self._microbatch: int | None = None
+        self._storages: dict[int, int] = {}
         self._marked: dict[int, torch.Tensor] = {}
 
     def begin_microbatch(self, microbatch: int) -> None:
         self._microbatch = microbatch
+        self._storages = {}
 
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> Any:
         if (
@@ -154,7 +156,7 @@ class RecordingOffloader:
         for tensor in tensors:
             self._marked[tensor.untyped_storage().data_ptr()] = tensor
 
-    def describe(self, tensor: torch.Tensor, storages: dict[int, int]) -> SavedInfo:
+    def describe(self, tensor: torch.Tensor) -> SavedInfo:
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         return SavedInfo(
@@ -164,7 +166,7 @@ class RecordingOffloader:
             dtype=tensor.dtype,
             itemsize=tensor.element_size(),
             storage_nbytes=storage.nbytes(),
-            storage_id=storages.setdefault(ptr, len(storages)),
+            storage_id=self._storages.setdefault(ptr, len(self._storages)),
             contiguous=tensor.is_contiguous(),
             on_device=_same_device(tensor.device, self.device),
             parameter=isinstance(tensor, torch.nn.Parameter) or ptr in self._marked,

@@ -1,0 +1,191 @@
+"""Independent prediction of what an offloader must move, per group occurrence.
+
+The oracle for the transfer cases. Its inputs are what the ``hooks`` backend recorded (every
+tensor autograd saved inside each group, with shape, strides and storage size), the offload
+configuration and the schedule. It never reads an offloader's own log, and it restates Megatron's
+rules (``../shared/reference/megatron-offload.md`` §1.3, §1.5, §1.6) in its own words:
+
+    tracked    on the model's device, not a parameter (or a storage marked not-offloadable)
+    eligible   tracked, numel > 0 and numel >= min_offloaded_tensor_size
+    bytes      contiguous: numel * itemsize; non-contiguous: the whole storage when the view
+               covers >= 50% of it (and the storage is a whole number of elements), otherwise
+               numel * itemsize (a gather)
+    copies     one D2H and one H2D per eligible tensor of an offloaded group (no dedup)
+    warmup     every selected group is offloaded
+    afterwards margin, delta and fraction policies, then at run time a chunk's last group of a
+               name stays if that chunk is the next to run backward when the group commits
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from harness.offload.config import OffloadConfig
+from harness.offload.recorder import GroupObservation, SavedInfo
+
+GroupKey = tuple[int, int, str]  # (microbatch, layer, name)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Expected:
+    """What one group occurrence must do in one iteration."""
+
+    decision: str
+    copies: int
+    """D2H copies, equal to H2D copies."""
+    bytes: int
+    """D2H bytes, equal to H2D bytes."""
+    freed_storages: frozenset[int]
+    """Storage ids (per microbatch) whose device memory the offload frees."""
+
+    @property
+    def offloaded(self) -> bool:
+        return self.decision == "offloaded"
+
+
+def copy_bytes(info: SavedInfo) -> int:
+    """Bytes one offload of ``info`` copies (whole storage for a covering view)."""
+    own = info.numel * info.itemsize
+    if info.contiguous:
+        return own
+    whole = info.storage_nbytes
+    if whole % info.itemsize == 0 and 2 * own >= whole:
+        return whole
+    return own
+
+
+def eligible(info: SavedInfo, config: OffloadConfig) -> bool:
+    """Whether an offload of the group moves this saved tensor."""
+    tracked = info.on_device and not info.parameter
+    return tracked and info.numel > 0 and info.numel >= config.min_offloaded_tensor_size
+
+
+def _group_bytes(obs: GroupObservation, config: OffloadConfig) -> tuple[int, int]:
+    moved = [s for s in obs.saved if eligible(s, config)]
+    return len(moved), sum(copy_bytes(s) for s in moved)
+
+
+def _freed(obs: GroupObservation, config: OffloadConfig) -> frozenset[int]:
+    return frozenset(s.storage_id for s in (*obs.saved, *obs.released) if eligible(s, config))
+
+
+def predict(
+    observations: Sequence[GroupObservation],
+    config: OffloadConfig,
+    order: Sequence[tuple[str, int]],
+) -> tuple[dict[GroupKey, Expected], dict[GroupKey, Expected]]:
+    """(warmup, steady) expectations per group occurrence for one iteration's observations.
+
+    ``order`` is the schedule's ("F"|"B", microbatch) sequence (``harness.train.schedule_order``).
+    """
+    keys = [(o.microbatch, o.layer, o.name) for o in observations]
+    by_key = dict(zip(keys, observations, strict=True))
+    moved = {k: _group_bytes(o, config) for k, o in by_key.items()}
+    warmup = {
+        k: Expected(
+            decision="offloaded", copies=c, bytes=b, freed_storages=_freed(by_key[k], config)
+        )
+        for k, (c, b) in moved.items()
+    }
+    kept = _steady_decisions(keys, {k: b for k, (_, b) in moved.items()}, config, order)
+    steady = {
+        k: warmup[k]
+        if k not in kept
+        else Expected(decision=kept[k], copies=0, bytes=0, freed_storages=frozenset())
+        for k in keys
+    }
+    return warmup, steady
+
+
+def _steady_decisions(
+    keys: list[GroupKey],
+    group_bytes: dict[GroupKey, int],
+    config: OffloadConfig,
+    order: Sequence[tuple[str, int]],
+) -> dict[GroupKey, str]:
+    """Group occurrence -> "kept:<why>" for every group that stays on the device."""
+    backward_mbs = list(dict.fromkeys(mb for kind, mb in order if kind == "B"))
+    chunks = {mb: [k for k in keys if k[0] == mb] for mb in backward_mbs}
+    kept: dict[GroupKey, str] = {}
+
+    # margin: the first-backward chunk's last group of each name, as many as the largest number
+    # of distinct names in one chunk, taking names in first-seen order over reversed chunks.
+    margin = max((len({k[2] for k in chunk}) for chunk in chunks.values()), default=0)
+    last_of: dict[str, GroupKey] = {}
+    for mb in reversed(backward_mbs):
+        for key in chunks[mb]:
+            last_of[key[2]] = key
+    for key in list(last_of.values())[:margin]:
+        kept[key] = "kept:margin"
+
+    # delta: earliest groups (backward-chunk order) until pp_rank * delta bytes stay.
+    budget = config.pp_rank * config.delta_offload_bytes_across_pp_ranks
+    for mb in backward_mbs:
+        for key in chunks[mb]:
+            if key not in kept and budget > 0:
+                budget -= group_bytes[key]
+                kept[key] = "kept:delta"
+
+    # fraction: per chunk, the trailing int(n * (1 - f)) of the n still-offloaded groups with
+    # bytes; Python float arithmetic, floor artefacts included.
+    for mb in backward_mbs:
+        candidates = [k for k in chunks[mb] if k not in kept and group_bytes[k] > 0]
+        count = int(len(candidates) * (1 - config.activation_offload_fraction))
+        for key in candidates[len(candidates) - count :]:
+            kept[key] = "kept:fraction"
+
+    # run time: a chunk's last group of a name stays when, at its commit (during the chunk's
+    # forward), that chunk is the next one to start backward among chunks holding the name.
+    for key in keys:
+        mb, _, name = key
+        if key in kept or not _last_of_name(chunks.get(mb, []), key):
+            continue
+        started = _backwards_started_before_forward(order, mb)
+        holders = [
+            m for m in backward_mbs if m not in started and any(k[2] == name for k in chunks[m])
+        ]
+        if holders and holders[0] == mb:
+            kept[key] = "kept:last_of_name"
+    return kept
+
+
+def _last_of_name(chunk: list[GroupKey], key: GroupKey) -> bool:
+    return [k for k in chunk if k[2] == key[2]][-1] == key
+
+
+def _backwards_started_before_forward(order: Sequence[tuple[str, int]], mb: int) -> set[int]:
+    started: set[int] = set()
+    for kind, m in order:
+        if kind == "F" and m == mb:
+            return started
+        if kind == "B":
+            started.add(m)
+    raise ValueError(f"microbatch {mb} has no forward in the schedule")
+
+
+def in_flight_after_forward(order: Sequence[tuple[str, int]], index: int) -> list[int]:
+    """Microbatches whose forward is done and backward not started after ``order[index]``."""
+    done = [m for kind, m in order[: index + 1] if kind == "F"]
+    started = {m for kind, m in order[: index + 1] if kind == "B"}
+    return [m for m in done if m not in started]
+
+
+def freed_bytes(
+    observations: Sequence[GroupObservation],
+    expected: dict[GroupKey, Expected],
+    microbatches: Sequence[int],
+    *,
+    rounding: int = 512,
+) -> int:
+    """Device bytes the offloaded groups of ``microbatches`` free, per storage rounded up to
+    the caching allocator's block granularity."""
+    sizes: dict[tuple[int, int], int] = {}
+    for obs in observations:
+        key = (obs.microbatch, obs.layer, obs.name)
+        if obs.microbatch not in microbatches or not expected[key].offloaded:
+            continue
+        for info in (*obs.saved, *obs.released):
+            if info.storage_id in expected[key].freed_storages:
+                sizes[(obs.microbatch, info.storage_id)] = info.storage_nbytes
+    return sum(-(-n // rounding) * rounding for n in sizes.values())

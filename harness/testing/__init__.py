@@ -1,0 +1,1 @@
+"""Test support for the harness's own unit tests (Hypothesis strategies)."""

@@ -1,0 +1,434 @@
+"""Count the offload copies a profiled run really made, per offload group, from its profiler trace.
+
+How a copy is attributed to a group (``harness.offload.ranges.RangeKey``)
+    Every backend runs a group's copies inside
+    ``record_function(range_name(direction, name, microbatch, layer))``; the profiler records that
+    as a CPU ``user_annotation`` event on the issuing thread. We read the exported chrome trace
+    (JSON is the interface that stays stable across torch versions) and attribute:
+
+    device (CUDA) mode - each device memcpy (``Memcpy DtoH ...`` / ``Memcpy HtoD ...``):
+        1. ``args.correlation`` links the memcpy to the CUDA runtime/driver call that enqueued
+           it (``cat`` ``cuda_runtime``/``cuda_driver``, e.g. ``cudaMemcpyAsync``). The memcpy
+           itself runs later on a GPU stream, so its own timestamps say nothing about ranges;
+        2. the call's start lies inside our annotation on the same pid/tid: the innermost one
+           whose name parses with ``parse_range_name`` is the group.
+        Bytes come from the memcpy's ``args["bytes"]``. A memcpy outside our ranges (or inside a
+        range of the other direction) is ``unattributed`` for its direction; DtoD/PtoP copies
+        are ignored; attributed memcpys from/to pageable host memory are counted in ``pageable``.
+
+    CPU mode (no device activity) - each ``aten::copy_`` CPU op that is not nested in another
+        ``aten::copy_`` and whose interval lies inside our innermost range on the same pid/tid.
+        Bytes = numel(destination) * element size, from the op's recorded ``Input Dims``/
+        ``Input type`` (needs ``record_shapes=True``). Direction comes from the range (host to
+        host copies have none), so ``unattributed`` is always zero in this mode.
+
+Timestamps are compared as exact integer nanoseconds (the JSON is parsed with ``Decimal``): trace
+timestamps are large microsecond values whose nanosecond digits do not survive a float.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import math
+import os
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from harness.offload.ranges import Direction, RangeKey, parse_range_name
+
+Mode = Literal["auto", "device", "cpu"]
+DIRECTIONS: tuple[Direction, ...] = ("d2h", "h2d")
+
+_MEMCPY_PREFIXES: dict[str, Direction] = {"Memcpy DtoH": "d2h", "Memcpy HtoD": "h2d"}
+_LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver", "runtime", "driver"})
+_DEVICE_CATS = _LAUNCH_CATS | {"kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset"}
+_CPU_OP_CATS = frozenset({"cpu_op", "operator"})
+_COPY_OP = "aten::copy_"
+
+# Element sizes by the C++ type name the profiler writes in ``Input type`` (c10 TypeMeta names,
+# demangled; checked against torch 2.13 on Linux). "long long" variants cover other platforms.
+ELEMENT_SIZES: dict[str, int] = {
+    "float": 4,
+    "double": 8,
+    "c10::Half": 2,
+    "c10::BFloat16": 2,
+    "c10::complex<c10::Half>": 4,
+    "c10::complex<float>": 8,
+    "c10::complex<double>": 16,
+    "bool": 1,
+    "signed char": 1,
+    "unsigned char": 1,
+    "short int": 2,
+    "short unsigned int": 2,
+    "int": 4,
+    "unsigned int": 4,
+    "long int": 8,
+    "long unsigned int": 8,
+    "long long int": 8,
+    "long long unsigned int": 8,
+    "c10::Float8_e4m3fn": 1,
+    "c10::Float8_e4m3fnuz": 1,
+    "c10::Float8_e5m2": 1,
+    "c10::Float8_e5m2fnuz": 1,
+    "c10::Float8_e8m0fnu": 1,
+    "c10::Float4_e2m1fn_x2": 1,
+    "c10::qint8": 1,
+    "c10::quint8": 1,
+    "c10::qint32": 4,
+    "c10::quint4x2": 1,
+    "c10::quint2x4": 1,
+    "c10::bits1x8": 1,
+    "c10::bits2x4": 1,
+    "c10::bits4x2": 1,
+    "c10::bits8": 1,
+    "c10::bits16": 2,
+}
+
+
+class TraceFormatError(ValueError):
+    """The trace lacks what the counter needs (shapes, memcpy bytes) or has an unknown type."""
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """A number of copies and the bytes they moved."""
+
+    copies: int = 0
+    bytes: int = 0
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(self.copies + other.copies, self.bytes + other.bytes)
+
+
+@dataclass(frozen=True)
+class TransferCounts:
+    """What a profiled run copied, per offload range occurrence."""
+
+    by_range: dict[RangeKey, Counts]
+    """Per (direction, group name, microbatch, layer): the copies attributed to that range."""
+    unattributed: dict[Direction, Counts] = field(
+        default_factory=lambda: {d: Counts() for d in DIRECTIONS}
+    )
+    """Device mode: DtoH/HtoD memcpys outside our ranges, per direction (always 0 on CPU)."""
+    pageable: int = 0
+    """Device mode: attributed memcpys from/to pageable (unpinned) host memory."""
+    mode: Literal["device", "cpu"] = "cpu"
+    """How the copies were found (see the module docstring)."""
+
+    def by_name(self) -> dict[tuple[Direction, str], Counts]:
+        """Attributed totals per (direction, group name)."""
+        out: dict[tuple[Direction, str], Counts] = defaultdict(Counts)
+        for key, counts in self.by_range.items():
+            out[(key.direction, key.name)] += counts
+        return dict(out)
+
+    def totals(self) -> dict[Direction, Counts]:
+        """Attributed totals per direction (both directions always present)."""
+        out = {d: Counts() for d in DIRECTIONS}
+        for key, counts in self.by_range.items():
+            out[key.direction] += counts
+        return out
+
+    def by_group(self) -> dict[tuple[int, int, str], dict[str, int]]:
+        """Per ``GroupRecord.key`` (microbatch, layer, name): the GroupRecord counter fields
+        ``d2h_copies``, ``d2h_bytes``, ``h2d_copies``, ``h2d_bytes``."""
+        out: dict[tuple[int, int, str], dict[str, int]] = {}
+        for key, counts in self.by_range.items():
+            fields = out.setdefault(
+                (key.microbatch, key.layer, key.name),
+                {f"{d}_{what}": 0 for d in DIRECTIONS for what in ("copies", "bytes")},
+            )
+            fields[f"{key.direction}_copies"] += counts.copies
+            fields[f"{key.direction}_bytes"] += counts.bytes
+        return out
+
+
+class _Event(NamedTuple):
+    """A complete ("X") trace event with times in integer nanoseconds."""
+
+    name: str
+    cat: str
+    thread: tuple[Any, Any]
+    start: int
+    end: int
+    args: Mapping[str, Any]
+
+
+class _Span(NamedTuple):
+    start: int
+    end: int
+    key: RangeKey | None
+
+
+# ------------------------------------------------------------------------------------ public API
+def count_transfers(
+    source: profile | str | os.PathLike[str] | Mapping[str, Any], *, mode: Mode = "auto"
+) -> TransferCounts:
+    """Count offload copies per range from a finished profiler, a chrome trace file (``.json`` or
+    ``.json.gz``) or an already parsed trace dict.
+
+    ``mode="auto"`` picks device mode when the trace holds any device activity (CUDA runtime
+    calls, kernels, memcpys), else CPU mode.
+    """
+    events = list(_events(load_trace(source)))
+    if mode == "auto":
+        mode = "device" if any(_is_device_event(e) for e in events) else "cpu"
+    if mode not in ("device", "cpu"):
+        raise ValueError(f"mode must be 'auto', 'device' or 'cpu', got {mode!r}")
+    ranges = _our_ranges(events)
+    return _count_device(events, ranges) if mode == "device" else _count_cpu(events, ranges)
+
+
+def load_trace(source: profile | str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """The chrome trace of ``source`` as a dict; floats are parsed as ``Decimal`` (exact)."""
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, str | os.PathLike):
+        return _read_json(Path(source))
+    if not hasattr(source, "export_chrome_trace"):
+        raise TypeError(f"expected a torch.profiler.profile, a path or a dict, got {source!r}")
+    with tempfile.TemporaryDirectory(prefix="offload_harness_trace_") as tmp:
+        path = Path(tmp) / "trace.json"
+        source.export_chrome_trace(str(path))
+        return _read_json(path)
+
+
+@contextlib.contextmanager
+def transfer_profiler(device: torch.device | str) -> Iterator[profile]:
+    """A profiler with what ``count_transfers`` needs for ``device``: CPU activity (+ CUDA on a
+    CUDA device) and ``record_shapes=True``. On CUDA it synchronizes the device before the
+    profiler stops, so every enqueued copy is in the trace."""
+    device = torch.device(device)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, record_shapes=True) as prof:
+        yield prof
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def profile_transfers(fn: Callable[[], object], device: torch.device | str) -> TransferCounts:
+    """Run ``fn()`` under ``transfer_profiler(device)`` and count its copies (device mode on
+    CUDA, CPU mode otherwise)."""
+    with transfer_profiler(device) as prof:
+        fn()
+    return count_transfers(prof, mode="device" if torch.device(device).type == "cuda" else "cpu")
+
+
+def element_size(type_name: str) -> int:
+    """Bytes per element of a profiler ``Input type`` name (``float``, ``c10::BFloat16`` ...)."""
+    size = ELEMENT_SIZES.get(type_name)
+    if size is None and type_name.startswith(("c10::dummy_int1_7_t<", "c10::dummy_uint1_7_t<")):
+        size = 1  # torch.int1..int7 / uint1..uint7: one byte per element in storage
+    if size is None:
+        raise TraceFormatError(
+            f"unknown tensor type name {type_name!r} in the trace; add it to "
+            "harness.transfers.ELEMENT_SIZES"
+        )
+    return size
+
+
+# ------------------------------------------------------------------------------ trace parsing
+def _read_json(path: Path) -> dict[str, Any]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        trace = json.load(handle, parse_float=Decimal)
+    if isinstance(trace, list):  # a bare event list is valid chrome trace JSON too
+        trace = {"traceEvents": trace}
+    return trace
+
+
+def _events(trace: Mapping[str, Any]) -> Iterator[_Event]:
+    """The complete events of ``trace``."""
+    if "traceEvents" not in trace:
+        raise TraceFormatError("not a chrome trace: no 'traceEvents' key")
+    for raw in trace["traceEvents"]:
+        if raw.get("ph") != "X" or "ts" not in raw:
+            continue
+        start = _ns(raw["ts"])
+        yield _Event(
+            name=str(raw.get("name", "")),
+            cat=str(raw.get("cat", "")).lower(),
+            thread=(raw.get("pid"), raw.get("tid")),
+            start=start,
+            end=start + _ns(raw.get("dur", 0)),
+            args=raw.get("args") or {},
+        )
+
+
+def _ns(microseconds: int | float | Decimal | str) -> int:
+    """Microseconds (as written in the trace) to integer nanoseconds, exactly."""
+    if isinstance(microseconds, Decimal):
+        value = microseconds
+    else:  # repr: a float's shortest round-trip text, i.e. the digits the trace had
+        value = Decimal(microseconds if isinstance(microseconds, str) else repr(microseconds))
+    return int((value * 1000).to_integral_value())
+
+
+def _is_device_event(event: _Event) -> bool:
+    return event.cat in _DEVICE_CATS or event.name.startswith("Memcpy ")
+
+
+def _our_ranges(events: Iterable[_Event]) -> dict[tuple[Any, Any], list[_Span]]:
+    """Our offload ranges (CPU ``user_annotation`` events that parse), per thread."""
+    ranges: dict[tuple[Any, Any], list[_Span]] = defaultdict(list)
+    for event in events:
+        if event.cat != "user_annotation":
+            continue
+        key = parse_range_name(event.name)
+        if key is not None:
+            ranges[event.thread].append(_Span(event.start, event.end, key))
+    return ranges
+
+
+# -------------------------------------------------------------------------------- attribution
+def _innermost(ranges: list[_Span], queries: list[_Span]) -> list[RangeKey | None]:
+    """For each query interval (one thread), the key of the innermost range containing it.
+
+    A sweep in start order keeps the stack of ranges open at the current time; ranges on one
+    thread nest like a call stack, so the topmost open range that outlasts the query wins."""
+    spans = sorted(ranges, key=lambda s: (s.start, -s.end))
+    out: list[RangeKey | None] = [None] * len(queries)
+    stack: list[_Span] = []
+    j = 0
+    for i in sorted(range(len(queries)), key=lambda i: queries[i].start):
+        query = queries[i]
+        while j < len(spans) and spans[j].start <= query.start:
+            _close(stack, spans[j].start)
+            stack.append(spans[j])
+            j += 1
+        _close(stack, query.start)
+        out[i] = next((s.key for s in reversed(stack) if s.end >= query.end), None)
+    return out
+
+
+def _close(stack: list[_Span], now: int) -> None:
+    """Pop the ranges that ended before ``now``."""
+    while stack and stack[-1].end < now:
+        stack.pop()
+
+
+def _attribute(
+    ranges: Mapping[tuple[Any, Any], list[_Span]], items: list[tuple[tuple[Any, Any], _Span]]
+) -> list[RangeKey | None]:
+    """``_innermost`` for (thread, interval) items on any threads, in the items' order."""
+    by_thread: dict[tuple[Any, Any], list[int]] = defaultdict(list)
+    for index, (thread, _) in enumerate(items):
+        by_thread[thread].append(index)
+    out: list[RangeKey | None] = [None] * len(items)
+    for thread, indices in by_thread.items():
+        keys = _innermost(ranges.get(thread, []), [items[i][1] for i in indices])
+        for index, key in zip(indices, keys, strict=True):
+            out[index] = key
+    return out
+
+
+# ---------------------------------------------------------------------------------- device mode
+def _memcpy_direction(name: str) -> Direction | None:
+    """``d2h``/``h2d`` for a device memcpy event name; None for any other event (DtoD ...)."""
+    for prefix, direction in _MEMCPY_PREFIXES.items():
+        if name.startswith(prefix):
+            return direction
+    return None
+
+
+def _memcpy_bytes(event: _Event) -> int:
+    nbytes = event.args.get("bytes")
+    if nbytes is None:
+        raise TraceFormatError(
+            f"device memcpy {event.name!r} (correlation {event.args.get('correlation')}) has no "
+            "'bytes' in its args; this profiler/Kineto version does not record memcpy sizes"
+        )
+    return int(nbytes)
+
+
+def _attribute_launches(
+    ranges: Mapping[tuple[Any, Any], list[_Span]], launches: list[_Event | None]
+) -> list[RangeKey | None]:
+    """The range each launching API call started in (None for a memcpy with no launch event)."""
+    found = [(i, e) for i, e in enumerate(launches) if e is not None]
+    keys = _attribute(ranges, [(e.thread, _Span(e.start, e.start, None)) for _, e in found])
+    out: list[RangeKey | None] = [None] * len(launches)
+    for (index, _), key in zip(found, keys, strict=True):
+        out[index] = key
+    return out
+
+
+def _count_device(
+    events: list[_Event], ranges: Mapping[tuple[Any, Any], list[_Span]]
+) -> TransferCounts:
+    """Device mode: memcpy -> (correlation id) -> launching API call -> enclosing range."""
+    launches: dict[Any, _Event] = {}
+    for event in events:
+        if event.cat in _LAUNCH_CATS and "correlation" in event.args:
+            launches.setdefault(event.args["correlation"], event)
+    memcpys = [(e, d) for e in events if (d := _memcpy_direction(e.name)) is not None]
+    keys = _attribute_launches(
+        ranges, [launches.get(e.args.get("correlation")) for e, _ in memcpys]
+    )
+    by_range: dict[RangeKey, Counts] = defaultdict(Counts)
+    unattributed = {d: Counts() for d in DIRECTIONS}
+    pageable = 0
+    for (event, direction), key in zip(memcpys, keys, strict=True):
+        counts = Counts(1, _memcpy_bytes(event))
+        if key is None or key.direction != direction:
+            unattributed[direction] += counts
+            continue
+        by_range[key] += counts
+        pageable += "Pageable" in event.name
+    return TransferCounts(dict(by_range), unattributed, pageable, mode="device")
+
+
+# ------------------------------------------------------------------------------------- CPU mode
+def _outermost_copies(events: Iterable[_Event]) -> list[_Event]:
+    """The ``aten::copy_`` CPU ops not nested inside another ``aten::copy_`` on their thread."""
+    by_thread: dict[tuple[Any, Any], list[_Event]] = defaultdict(list)
+    for event in events:
+        if event.cat in _CPU_OP_CATS and event.name == _COPY_OP:
+            by_thread[event.thread].append(event)
+    outer: list[_Event] = []
+    for copies in by_thread.values():
+        stack: list[_Event] = []
+        for event in sorted(copies, key=lambda e: (e.start, -e.end)):
+            while stack and stack[-1].end < event.start:
+                stack.pop()
+            if stack and stack[-1].end >= event.end:
+                continue  # a copy_ inside a copy_ (e.g. a dtype/layout conversion): counted once
+            stack.append(event)
+            outer.append(event)
+    return outer
+
+
+def _copy_bytes(event: _Event) -> int:
+    """Bytes written by an ``aten::copy_`` op: numel(self) * element size of self."""
+    dims, types = event.args.get("Input Dims"), event.args.get("Input type")
+    if not dims or not types:
+        raise TraceFormatError(
+            "aten::copy_ inside an offload range has no recorded shapes/types; profile with "
+            "record_shapes=True (e.g. harness.transfers.transfer_profiler)"
+        )
+    return math.prod(int(n) for n in dims[0]) * element_size(str(types[0]))
+
+
+def _count_cpu(
+    events: list[_Event], ranges: Mapping[tuple[Any, Any], list[_Span]]
+) -> TransferCounts:
+    """CPU mode: outermost ``aten::copy_`` ops inside our innermost range on their thread."""
+    copies = _outermost_copies(events)
+    items = [(e.thread, _Span(e.start, e.end, None)) for e in copies]
+    by_range: dict[RangeKey, Counts] = defaultdict(Counts)
+    for event, key in zip(copies, _attribute(ranges, items), strict=True):
+        if key is not None:
+            by_range[key] += Counts(1, _copy_bytes(event))
+    return TransferCounts(dict(by_range), mode="cpu")
