@@ -144,12 +144,12 @@ class TransferCounts:
         ``d2h_copies``, ``d2h_bytes``, ``h2d_copies``, ``h2d_bytes``."""
         out: dict[tuple[int, int, str], dict[str, int]] = {}
         for key, counts in self.by_range.items():
-            fields = out.setdefault(
+            row = out.setdefault(
                 (key.microbatch, key.layer, key.name),
                 {f"{d}_{what}": 0 for d in DIRECTIONS for what in ("copies", "bytes")},
             )
-            fields[f"{key.direction}_copies"] += counts.copies
-            fields[f"{key.direction}_bytes"] += counts.bytes
+            row[f"{key.direction}_copies"] += counts.copies
+            row[f"{key.direction}_bytes"] += counts.bytes
         return out
 
 

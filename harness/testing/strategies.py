@@ -67,6 +67,13 @@ def filled(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tenso
     return raw.view(dtype).reshape(shape)
 
 
+def normal(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Finite fp32 N(0, 1) values, a pure function of (shape, seed): weights and inputs of the
+    fake models (``filled`` would hand them NaN and inf)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+
 @st.composite
 def shapes(
     draw: st.DrawFn,

@@ -1,0 +1,242 @@
+"""The case table: frozen rows, generated in a fixed order, shared by pytest and the CLI.
+
+A row names a model family, an offload set, a schedule, a precision and a max-inflight cap; its
+``name`` is the pytest id and the report key, e.g. ``hybrid-+-+-+-_core_attn+attn_proj_1f1b_bf16``.
+The model's size comes from the device (``-tiny`` presets on CPU, ``-small`` on CUDA) unless the
+run asks for one.
+
+Matrix: families x applicable offload sets x schedules x max-inflight x precisions. ``full`` is
+all of it; ``default`` keeps one row per (family, offload set), cycling the other axes so every
+value appears, plus the seed's own case first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from harness.offload.config import OffloadConfig
+from harness.spec import ModelSpec, RunSpec, preset
+
+FAMILIES: dict[str, str] = {
+    "hybrid": "hybrid",
+    "moe": "moe",
+    "moe-fused": "moe",
+    "hybrid-moe": "hybrid-moe",
+}
+"""Case family -> preset stem (the preset is ``<stem>-tiny`` or ``<stem>-small``)."""
+
+_PRESETS = {
+    ("hybrid", "tiny"): "hybrid-tiny",
+    ("hybrid", "small"): "hybrid-small",
+    ("moe", "tiny"): "moe-tiny",
+    ("moe", "small"): "moe-small",
+    ("moe-fused", "tiny"): "moe-tiny-fused",
+    ("moe-fused", "small"): "moe-small-fused",
+    ("hybrid-moe", "tiny"): "hybrid-moe",
+    ("hybrid-moe", "small"): "hybrid-moe-small",
+}
+MODEL_SIZES = ("tiny", "small")
+
+ATTENTION_NAMES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj")
+OFFLOAD_SETS: dict[str, tuple[str, ...] | None] = {
+    "core_attn+attn_proj": ("core_attn", "attn_proj"),
+    "attention": ATTENTION_NAMES,
+    "expert_fc1+moe_act": ("expert_fc1", "moe_act"),
+    "moe_act": ("moe_act",),
+    "fused_group_mlp": ("fused_group_mlp",),
+    "everything": None,
+}
+"""Named offload sets of the matrix; ``attention`` and ``everything`` are narrowed to the names
+the model can open (None: every applicable name)."""
+
+INFLIGHT_VALUES: tuple[int | None, ...] = (1, None, 0)
+SCHEDULES_IN_MATRIX = ("sequential", "1f1b")
+PRECISION_VALUES = ("fp32", "bf16")
+
+
+def model_spec(family: str, size: str) -> ModelSpec:
+    """The preset for a case family at a size."""
+    try:
+        return preset(_PRESETS[(family, size)])
+    except KeyError:
+        raise ValueError(
+            f"unknown model family/size {family!r}/{size!r}; families: {', '.join(FAMILIES)}; "
+            f"sizes: {', '.join(MODEL_SIZES)}"
+        ) from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Case:
+    """One row of the case table."""
+
+    family: str
+    """Model family (key of ``FAMILIES``)."""
+    offload: tuple[str, ...]
+    """Selected group names (already narrowed to what the model opens)."""
+    schedule: str = "sequential"
+    precision: str = "fp32"
+    max_inflight: int | None = 1
+    steps: int = 6
+    microbatches: int = 2
+    min_tensor_size: int = 1024
+    """``min_offloaded_tensor_size`` (elements)."""
+    fraction: float = 1.0
+    tolerance: float = 0.0
+    """Allowed absolute loss difference; 0 means bitwise equality."""
+    tolerance_reason: str = ""
+    """Why a non-zero tolerance is needed, with its measured noise floor."""
+    description: str = ""
+    marks: tuple[Any, ...] = ()
+    """pytest marks for this row."""
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown family {self.family!r}; known: {', '.join(FAMILIES)}")
+        if self.tolerance and not self.tolerance_reason:
+            raise ValueError(f"case {self.name}: a non-zero tolerance needs a tolerance_reason")
+        self.offload_config()  # validates names and rules
+        self.run_spec()
+
+    @property
+    def pattern(self) -> str:
+        return model_spec(self.family, "tiny").pattern
+
+    @property
+    def name(self) -> str:
+        parts = [f"{self.family}-{self.pattern}", "+".join(self.offload), self.schedule]
+        parts.append(self.precision)
+        if self.max_inflight != 1:
+            parts.append(f"inflight-{'none' if self.max_inflight is None else self.max_inflight}")
+        if (self.steps, self.microbatches) != (6, 2):
+            parts.append(f"{self.steps}x{self.microbatches}")
+        if self.fraction != 1.0:
+            parts.append(f"fraction-{self.fraction:g}")
+        if self.min_tensor_size != 1024:
+            parts.append(f"min-{self.min_tensor_size}")
+        return "_".join(parts)
+
+    def model_spec(self, size: str) -> ModelSpec:
+        return model_spec(self.family, size)
+
+    def run_spec(self, seed: int = 1234) -> RunSpec:
+        return RunSpec(
+            steps=self.steps,
+            microbatches=self.microbatches,
+            schedule=self.schedule,  # type: ignore[arg-type]
+            precision=self.precision,  # type: ignore[arg-type]
+            grad_clip=1.0,
+            seed=seed,
+        )
+
+    def offload_config(self) -> OffloadConfig:
+        return OffloadConfig(
+            offload_modules=self.offload,
+            min_offloaded_tensor_size=self.min_tensor_size,
+            activation_offload_fraction=self.fraction,
+            max_inflight_offloads=self.max_inflight,
+        )
+
+    def replace(self, **changes: Any) -> Case:
+        return dataclasses.replace(self, **changes)
+
+
+def applicable_sets(family: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The matrix's offload sets narrowed to ``family``'s groups, empty and duplicate sets
+    dropped, in ``OFFLOAD_SETS`` order."""
+    available = model_spec(family, "tiny").group_names
+    seen: set[tuple[str, ...]] = set()
+    out = []
+    for label, names in OFFLOAD_SETS.items():
+        if names is None:
+            narrowed = available
+        elif label == "attention":
+            narrowed = tuple(n for n in available if n in names)
+        elif all(n in available for n in names):
+            narrowed = names
+        else:
+            continue  # the set needs groups this model does not open
+        if narrowed and narrowed not in seen and _valid(narrowed):
+            seen.add(narrowed)
+            out.append((label, narrowed))
+    return out
+
+
+def _valid(names: tuple[str, ...]) -> bool:
+    try:
+        OffloadConfig(offload_modules=names)
+    except ValueError:
+        return False
+    return True
+
+
+SEED_CASE = Case(
+    family="hybrid",
+    offload=("core_attn", "attn_proj"),
+    schedule="sequential",
+    precision="bf16",
+    max_inflight=1,
+    description="the seed: +-+-+-, core_attn+attn_proj, 6 steps x 2 microbatches, bf16",
+)
+
+
+def full_matrix() -> list[Case]:
+    """Every family x applicable set x schedule x max-inflight x precision."""
+    rows = []
+    for family in FAMILIES:
+        for _, names in applicable_sets(family):
+            for schedule, inflight, precision in itertools.product(
+                SCHEDULES_IN_MATRIX, INFLIGHT_VALUES, PRECISION_VALUES
+            ):
+                rows.append(
+                    Case(
+                        family=family,
+                        offload=names,
+                        schedule=schedule,
+                        precision=precision,
+                        max_inflight=inflight,
+                    )
+                )
+    return rows
+
+
+def default_matrix() -> list[Case]:
+    """The seed case, then one row per (family, offload set) cycling the other axes."""
+    rows = [SEED_CASE]
+    index = 0
+    for family in FAMILIES:
+        for _, names in applicable_sets(family):
+            row = Case(
+                family=family,
+                offload=names,
+                schedule=SCHEDULES_IN_MATRIX[index % 2],
+                precision=PRECISION_VALUES[(index // 2) % 2],
+                max_inflight=INFLIGHT_VALUES[index % 3],
+            )
+            index += 1
+            if row.name != SEED_CASE.name:
+                rows.append(row)
+    return rows
+
+
+MATRICES = {"default": default_matrix, "full": full_matrix}
+
+
+def matrix(name: str) -> list[Case]:
+    """A matrix by name (``default`` or ``full``)."""
+    try:
+        return MATRICES[name]()
+    except KeyError:
+        raise ValueError(f"unknown matrix {name!r}; known: {', '.join(MATRICES)}") from None
+
+
+def find_case(case_id: str) -> Case:
+    """The row of the full matrix (or the default one) whose name is ``case_id``."""
+    for row in [*default_matrix(), *full_matrix()]:
+        if row.name == case_id:
+            return row
+    raise ValueError(
+        f"unknown case id {case_id!r}; list them with `offload-harness cases --matrix full`"
+    )
