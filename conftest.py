@@ -1,5 +1,9 @@
 """Root conftest: only the list of fixture modules (pytest reads ``pytest_plugins`` here alone)."""
 
 pytest_plugins = [
+    "fixtures.options",
+    "fixtures.dist",
+    "fixtures.models",
+    "fixtures.cases",
     "fixtures.properties",
 ]

@@ -88,6 +88,8 @@ class Case:
     """Allowed absolute loss difference; 0 means bitwise equality."""
     tolerance_reason: str = ""
     """Why a non-zero tolerance is needed, with its measured noise floor."""
+    custom_pattern: str | None = None
+    """Replace the family preset's layer pattern (custom cases from the command line)."""
     description: str = ""
     marks: tuple[Any, ...] = ()
     """pytest marks for this row."""
@@ -102,7 +104,7 @@ class Case:
 
     @property
     def pattern(self) -> str:
-        return model_spec(self.family, "tiny").pattern
+        return self.model_spec("tiny").pattern
 
     @property
     def name(self) -> str:
@@ -119,7 +121,8 @@ class Case:
         return "_".join(parts)
 
     def model_spec(self, size: str) -> ModelSpec:
-        return model_spec(self.family, size)
+        spec = model_spec(self.family, size)
+        return spec.replace(pattern=self.custom_pattern) if self.custom_pattern else spec
 
     def run_spec(self, seed: int = 1234) -> RunSpec:
         return RunSpec(

@@ -125,7 +125,7 @@ def run_equivalence(case: Case, env: Environment) -> EquivalenceResult:
         )
     finally:
         offloader.close()
-    return EquivalenceResult(
+    result = EquivalenceResult(
         case=case,
         plain=plain,
         hooks=hooks,
@@ -137,6 +137,9 @@ def run_equivalence(case: Case, env: Environment) -> EquivalenceResult:
         weight_difference=first_tensor_difference(plain.final_state, offload.final_state),
         seconds=time.perf_counter() - start,
     )
+    for run_result in (plain, offload):  # compared; drop the copies (GBs on GPU-sized models)
+        run_result.grads, run_result.final_state = [], {}
+    return result
 
 
 def _first_grad_difference(a: TrainResult, b: TrainResult) -> tuple[int, str, float] | None:

@@ -67,7 +67,11 @@ def _group_bytes(obs: GroupObservation, config: OffloadConfig) -> tuple[int, int
 
 
 def _freed(obs: GroupObservation, config: OffloadConfig) -> frozenset[int]:
-    return frozenset(s.storage_id for s in (*obs.saved, *obs.released) if eligible(s, config))
+    """Storages an offload frees: those of moved and released tensors, unless a saved tensor
+    that stays on the device (too small) still uses the storage."""
+    kept = {s.storage_id for s in obs.saved if s.on_device and not eligible(s, config)}
+    moved = {s.storage_id for s in (*obs.saved, *obs.released) if eligible(s, config)}
+    return frozenset(moved - kept)
 
 
 def predict(

@@ -65,7 +65,8 @@ class TrainResult:
     logs: list[IterationLog]
     """The offloader's per-iteration accounting ([] for baselines)."""
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    """Per step, every parameter's accumulated gradient before clipping (if kept)."""
+    """Per step, every parameter's accumulated gradient before clipping (if kept), on the
+    device (cloned there, so a profiled step has no copy traffic)."""
     final_state: dict[str, torch.Tensor] = field(default_factory=dict)
     """Parameters after the last step (CPU copies)."""
 

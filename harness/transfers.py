@@ -207,15 +207,40 @@ def load_trace(source: profile | str | os.PathLike[str] | Mapping[str, Any]) -> 
 def transfer_profiler(device: torch.device | str) -> Iterator[profile]:
     """A profiler with what ``count_transfers`` needs for ``device``: CPU activity (+ CUDA on a
     CUDA device) and ``record_shapes=True``. On CUDA it synchronizes the device before the
-    profiler stops, so every enqueued copy is in the trace."""
+    profiler stops, so every enqueued copy is in the trace. Kineto's start/stop chatter on
+    file descriptor 2 is silenced; Python-level warnings and errors are not."""
     device = torch.device(device)
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, record_shapes=True) as prof:
+    prof = profile(activities=activities, record_shapes=True)
+    with _quiet_native_stderr():
+        prof.__enter__()
+    try:
         yield prof
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    finally:
+        with _quiet_native_stderr():
+            prof.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Point fd 2 at /dev/null (native code writes there directly, bypassing sys.stderr)."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 (embedded interpreters): nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def profile_transfers(fn: Callable[[], object], device: torch.device | str) -> TransferCounts:

@@ -59,8 +59,7 @@ class TinyModel:
     names: tuple[str, ...]
     weights: dict[tuple[int, str], torch.nn.Parameter]
 
-    def forward(self, off: Offloader, x_D: torch.Tensor, microbatch: int) -> torch.Tensor:
-        off.begin_microbatch(microbatch)
+    def forward(self, off: Offloader, x_D: torch.Tensor) -> torch.Tensor:
         h_D = x_D
         for layer, reps in enumerate(self.reps):
             for name in self.names:
@@ -102,7 +101,8 @@ def run_iteration(off: Offloader, model: TinyModel, order: str, iteration: int =
     for step in steps:
         microbatch = int(step[1:])
         if step[0] == "F":
-            losses[microbatch] = model.forward(off, inputs[microbatch], microbatch)
+            off.begin_microbatch(microbatch)  # the runner's call, as in harness.train
+            losses[microbatch] = model.forward(off, inputs[microbatch])
         else:
             losses.pop(microbatch).backward()
     off.end_iteration()

@@ -121,12 +121,14 @@ class _Group:
 
     def _reset(self) -> None:
         self.entries: dict[int, torch.Tensor | _HostCopy] = {}
+        self.on_device: set[int] = set()  # slots still holding the saved tensor itself
         self.status = _OPEN
         self.iter_decision = "open"
         self.waited = False
         self.counts = {"d2h_copies": 0, "d2h_bytes": 0, "h2d_copies": 0, "h2d_bytes": 0}
         self.tracked = 0
         self.released = 0
+        self.release_skipped = 0
         self.pool_hits = 0
         self.pool_misses = 0
 
@@ -260,6 +262,8 @@ class OffloadContext:
         self._backward_order: list[_Chunk] = []
         self._backward_started: list[_Chunk] = []  # this iteration
         self._current: _Chunk | None = None
+        self._microbatch: int | None = None
+        self._device_refs: dict[int, int] = {}  # storage address -> saved tensors on device
         self._pending_d2h: dict[str, deque[torch.cuda.Event | None]] = {}
         self._marked: dict[tuple[str, int], torch.Tensor] = {}
         self._logs: list[IterationLog] = []
@@ -269,8 +273,15 @@ class OffloadContext:
         if self._current is not None:
             self._current.forward_done = True
         self._current = None
-        if not self.enabled or not torch.is_grad_enabled():
-            return
+        self._microbatch = microbatch
+
+    def _activate(self) -> _Chunk | None:
+        """The chunk of the current microbatch, created (warmup) or looked up on its first
+        group: a forward that opens no group (no grad, offloading disabled) leaves no trace and
+        can never become the warmup."""
+        if self._current is not None or self._microbatch is None:
+            return self._current
+        microbatch = self._microbatch
         chunk = self._chunks.get(microbatch)
         if chunk is None:
             if not self.warmup:
@@ -284,15 +295,13 @@ class OffloadContext:
             raise RuntimeError(f"microbatch {microbatch} started twice in one iteration")
         chunk.active = True
         self._current = chunk
+        return chunk
 
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> _Handle | PassThroughGroup:
-        chunk = self._current
-        if (
-            chunk is None
-            or not self.enabled
-            or name not in self.config.selected
-            or not torch.is_grad_enabled()
-        ):
+        if not self.enabled or name not in self.config.selected or not torch.is_grad_enabled():
+            return PassThroughGroup(x)
+        chunk = self._activate()
+        if chunk is None:
             return PassThroughGroup(x)
         if self.warmup:
             group = _Group(chunk, name, layer, self.cuda)
@@ -348,6 +357,8 @@ class OffloadContext:
         self._pending_d2h.clear()
         self._backward_started = []
         self._current = None
+        self._microbatch = None
+        self._device_refs.clear()
 
     def set_enabled(self, enabled: bool) -> None:
         self.enabled = bool(enabled)
@@ -383,7 +394,18 @@ class OffloadContext:
             return tensor
         slot = len(group.entries)
         group.entries[slot] = tensor
+        group.on_device.add(slot)
+        self._hold(tensor, +1)
         return _Tag(group, slot)
+
+    def _hold(self, tensor: torch.Tensor, delta: int) -> None:
+        """Count saved tensors still on the device per storage (forced release checks it)."""
+        address = tensor.untyped_storage().data_ptr()
+        count = self._device_refs.get(address, 0) + delta
+        if count:
+            self._device_refs[address] = count
+        else:
+            self._device_refs.pop(address, None)
 
     def _trackable(self, tensor: torch.Tensor) -> bool:
         return (
@@ -441,6 +463,8 @@ class OffloadContext:
             for slot, tensor in list(group.entries.items()):
                 if isinstance(tensor, torch.Tensor) and self._eligible(tensor):
                     group.entries[slot] = self._copy_out(group, tensor)
+                    group.on_device.discard(slot)
+                    self._hold(tensor, -1)
             if self.cuda:
                 group.d2h_event.record(self._d2h)
         group.status = _OFFLOADED
@@ -473,6 +497,11 @@ class OffloadContext:
                 continue
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0:
+                continue
+            if storage.data_ptr() in self._device_refs:
+                # A saved tensor kept on the device (too small, marked, or in a group the policy
+                # keeps) still reads this storage: freeing it would corrupt backward.
+                group.release_skipped += 1
                 continue
             if self.cuda:
                 tensor.record_stream(self._d2h)
@@ -532,6 +561,9 @@ class OffloadContext:
                 "each saved tensor back once (retain_graph/double backward is not supported)"
             ) from None
         assert isinstance(value, torch.Tensor), "reloaded group still holds a host copy"
+        if packed.slot in group.on_device:  # the original tensor, never offloaded
+            group.on_device.discard(packed.slot)
+            self._hold(value, -1)
         return value
 
     def _wait_reload(self, group: _Group) -> None:
@@ -631,6 +663,8 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
 
 
 def _normalize(device: torch.device) -> torch.device:
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"offload device {device} requested but no CUDA device is visible")
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device

@@ -1,0 +1,28 @@
+"""Loss equivalence: the offload run against the plain and the hooks baselines, bitwise by
+default, every step (the warmup included) and every microbatch; gradients and final weights too.
+Before trusting equality, the case proves the offload happened (``harness.checks``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.cases import Case
+from harness.checks import equivalence_problems, leak_problems
+from harness.execute import EquivalenceResult, run_equivalence
+from harness.report import equivalence_record
+
+
+def test_loss_equivalence(case: Case, case_result, record_result) -> None:
+    res: EquivalenceResult = case_result(run_equivalence, case)
+    record_result(case.name, equivalence_record(res))
+    problems = equivalence_problems(case, res)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_leaks(case: Case, case_result) -> None:
+    """After every iteration no saved tensor is left behind and every pooled buffer is back."""
+    res: EquivalenceResult = case_result(run_equivalence, case)
+    if not res.offload.logs:
+        pytest.skip("the backend under test keeps no iteration log")
+    problems = leak_problems(case, res)
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,161 @@
+"""Reports: ``summary.json`` first (machine, commit, per-case results); everything printed is
+rendered from it.
+
+Folder names: ``reports/<UTC time>_<git sha>[_dirty]/``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HARNESS_VERSION = "0.1.0"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], capture_output=True, text=True, check=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip()
+
+
+def commit_info() -> dict[str, Any]:
+    """Current commit sha and whether the work tree has uncommitted changes."""
+    sha = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"sha": sha, "dirty": bool(status) if status is not None else None}
+
+
+def machine_info() -> dict[str, Any]:
+    """Host, torch, CUDA and GPU facts."""
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": [],
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        info["driver"] = driver.splitlines()[0] if driver else None
+    return info
+
+
+def run_folder(root: Path) -> Path:
+    """A new ``<UTC time>_<sha>[_dirty]`` folder under ``root``."""
+    commit = commit_info()
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    name = f"{stamp}_{(commit['sha'] or 'nogit')[:10]}{'_dirty' if commit['dirty'] else ''}"
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=False)
+    return folder
+
+
+def write_summary(folder: Path, cases: list[dict[str, Any]], **extra: Any) -> Path:
+    """Write ``summary.json`` into ``folder``; returns its path."""
+    summary = {
+        "harness_version": HARNESS_VERSION,
+        "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "commit": commit_info(),
+        **extra,
+        "cases": cases,
+    }
+    path = folder / "summary.json"
+    path.write_text(json.dumps(summary, indent=2, sort_keys=False, default=str) + "\n")
+    return path
+
+
+def verdict_table(summary: dict[str, Any]) -> str:
+    """Console table of a summary: case, verdict, groups moved, DtoH/HtoD copies and bytes."""
+    rows = [("case", "verdict", "groups moved", "DtoH", "HtoD", "bytes each way")]
+    for case in summary["cases"]:
+        t = case.get("transfers", {})
+        rows.append(
+            (
+                case["name"],
+                case["verdict"],
+                ",".join(t.get("names_moved", [])) or "-",
+                str(t.get("d2h_copies", "-")),
+                str(t.get("h2d_copies", "-")),
+                _mib(t.get("d2h_bytes")),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def _mib(value: int | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value} ({value / 2**20:.2f} MiB)"
+
+
+def equivalence_record(res: Any) -> dict[str, Any]:
+    """Report fields of an ``EquivalenceResult``."""
+    return {
+        "losses": {
+            "plain": res.plain.losses.tolist(),
+            "hooks": res.hooks.losses.tolist(),
+            "offload": res.offload.losses.tolist(),
+        },
+        "equivalence": res.verdict.kind,
+        "warmup_transfers": {
+            d: {"copies": c.copies, "bytes": c.bytes}
+            for d, c in res.warmup_transfers.totals().items()
+        },
+        "seconds_equivalence": round(res.seconds, 3),
+    }
+
+
+def transfer_record(res: Any) -> dict[str, Any]:
+    """Report fields of a ``TransferResult`` (final-step profiler counts)."""
+    totals = res.counts.totals()
+    per_name = {
+        f"{direction}:{name}": {"copies": c.copies, "bytes": c.bytes}
+        for (direction, name), c in sorted(res.counts.by_name().items())
+    }
+    return {
+        "transfers": {
+            "names_moved": sorted(res.moved_names()),
+            "d2h_copies": totals["d2h"].copies,
+            "d2h_bytes": totals["d2h"].bytes,
+            "h2d_copies": totals["h2d"].copies,
+            "h2d_bytes": totals["h2d"].bytes,
+            "per_name": per_name,
+            "pageable": res.counts.pageable,
+            "unattributed": {d: c.copies for d, c in res.counts.unattributed.items()},
+            "mode": res.counts.mode,
+        },
+        "seconds_transfers": round(res.seconds, 3),
+    }
+
+
+def memory_record(res: Any) -> dict[str, Any]:
+    """Report fields of a ``MemoryResult``."""
+    return {
+        "memory": {
+            "baseline_after_forward": res.baseline_after_forward,
+            "offload_after_forward": res.offload_after_forward,
+            "predicted_drop": res.predicted_drop,
+            "measured_drop": res.measured_drop,
+            "tolerance": res.tolerance,
+            "baseline_peak": res.baseline_peak,
+            "offload_peak": res.offload_peak,
+        }
+    }
