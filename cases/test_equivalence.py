@@ -8,20 +8,20 @@ import pytest
 
 from harness.cases import Case
 from harness.checks import equivalence_problems, leak_problems
-from harness.execute import EquivalenceResult, run_equivalence
-from harness.report import equivalence_record
+from harness.execute import CaseRun, run_case
+from harness.report import case_record
 
 
 def test_loss_equivalence(case: Case, case_result, record_result) -> None:
-    res: EquivalenceResult = case_result(run_equivalence, case)
-    record_result(case.name, equivalence_record(res))
+    res: CaseRun = case_result(run_case, case)
+    record_result(case.name, case_record(res))
     problems = equivalence_problems(case, res)
     assert not problems, "\n".join(problems)
 
 
 def test_no_leaks(case: Case, case_result) -> None:
     """After every iteration no saved tensor is left behind and every pooled buffer is back."""
-    res: EquivalenceResult = case_result(run_equivalence, case)
+    res: CaseRun = case_result(run_case, case)
     if not res.offload.logs:
         pytest.skip("the backend under test keeps no iteration log")
     problems = leak_problems(case, res)

@@ -10,7 +10,7 @@ import torch
 
 from harness.cases import Case
 from harness.compare import loss_table
-from harness.execute import EquivalenceResult, MemoryResult, TransferResult, total
+from harness.execute import CaseRun, MemoryResult, total
 from harness.spec import ModelSpec
 from harness.train import DTYPES
 from harness.transfers import Counts
@@ -20,7 +20,7 @@ def repro_hint(case: Case) -> str:
     return f"reproduce: offload-harness run --case '{case.name}'"
 
 
-def equivalence_problems(case: Case, res: EquivalenceResult) -> list[str]:
+def equivalence_problems(case: Case, res: CaseRun) -> list[str]:
     """Offload happened, then losses, gradients and final weights equal the plain baseline."""
     if res.proof_problems:
         return ["the offload did not happen:", *res.proof_problems]
@@ -41,7 +41,7 @@ def equivalence_problems(case: Case, res: EquivalenceResult) -> list[str]:
     return problems
 
 
-def leak_problems(case: Case, res: EquivalenceResult) -> list[str]:
+def leak_problems(case: Case, res: CaseRun) -> list[str]:
     """Per iteration: nothing left behind, pool buffers back, warmup first, pool stops growing."""
     logs = res.offload.logs
     if len(logs) != case.steps:
@@ -64,7 +64,7 @@ def leak_problems(case: Case, res: EquivalenceResult) -> list[str]:
     return problems
 
 
-def transfer_problems(case: Case, res: TransferResult, device: torch.device) -> list[str]:
+def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[str]:
     """Profiler counts equal the prediction and the offloader's log; no pageable or stray copy."""
     if not any(e.bytes for e in res.expected.values()):
         return ["the prediction moves nothing in the final step: the case would prove nothing"]
@@ -81,7 +81,7 @@ def transfer_problems(case: Case, res: TransferResult, device: torch.device) -> 
     return problems
 
 
-def disabled_problems(res: TransferResult) -> list[str]:
+def disabled_problems(res: CaseRun) -> list[str]:
     """The enabled run moved something; the disabled run moved nothing."""
     if not res.counts.totals()["d2h"].copies:
         return ["the enabled run moved nothing: the disabled comparison proves nothing"]
@@ -90,7 +90,7 @@ def disabled_problems(res: TransferResult) -> list[str]:
     return []
 
 
-def fidelity_problems(case: Case, res: TransferResult, spec: ModelSpec) -> list[str]:
+def fidelity_problems(case: Case, res: CaseRun, spec: ModelSpec) -> list[str]:
     """Only selected groups move, and exactly the selected groups the prediction moves."""
     selected = set(case.offload)
     predicted = {name for (_, _, name), e in res.expected.items() if e.copies}

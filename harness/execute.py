@@ -2,10 +2,10 @@
 
 Shared by the pytest cases and ``offload-harness run``, so both judge a case the same way.
 
-* ``run_equivalence`` - plain baseline, hooks baseline and offload run of the same spec and seed;
-  the offload run's warmup step is profiled to prove the offload happened.
-* ``run_transfers`` - the independent prediction (``harness.predict``, from a hooks run), the
-  offload run with its final step profiled, and a disabled run that must copy nothing.
+* ``run_case`` - plain baseline, hooks baseline and offload run of the same spec and seed. The
+  offload run's warmup step is profiled (proof that the offload happened) and so is its final
+  step (counts per group against the independent prediction of ``harness.predict``, made from
+  what the hooks run recorded); one more step runs with the offloader disabled.
 * ``run_memory`` - CUDA only: memory right after the last forward and peak, baseline vs offload.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +25,7 @@ from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import GroupRecord, Offloader
 from harness.offload.recorder import GroupObservation, RecordingOffloader
-from harness.predict import Expected, GroupKey, freed_bytes, in_flight_after_forward, predict
+from harness.predict import Expected, GroupKey, freed_storages, in_flight_after_forward, predict
 from harness.spec import ModelSpec, RunSpec
 from harness.train import RunHooks, TrainResult, schedule_order, train
 from harness.transfers import Counts, TransferCounts, count_transfers, transfer_profiler
@@ -96,50 +96,132 @@ def offload_proof(
 
 
 @dataclass(kw_only=True)
-class EquivalenceResult:
+class CaseRun:
+    """Everything one case's runs produced; the checks in ``harness.checks`` read it."""
+
     case: Case
     plain: TrainResult
     hooks: TrainResult
     offload: TrainResult
     verdict: Verdict
-    warmup_transfers: TransferCounts
-    proof_problems: list[str]
+    """Offload vs the plain and hooks baselines."""
     grad_difference: tuple[int, str, float] | None
-    """(step, parameter, max |diff|) of the first gradient that is not bitwise equal."""
+    """(step, parameter, max |diff|) of the first gradient not bitwise equal to plain's."""
     weight_difference: tuple[str, float] | None
-    seconds: float
+    warmup_transfers: TransferCounts
+    """Profiler counts of the warmup step (step 0)."""
+    proof_problems: list[str]
+    observations: list[GroupObservation]
+    """What each group saved (one iteration of the hooks baseline)."""
+    expected: dict[GroupKey, Expected]
+    """Steady-state prediction per group occurrence."""
+    counts: TransferCounts
+    """Profiler counts of the final step."""
+    logged: dict[GroupKey, dict[str, int]] | None
+    """The offloader's own log of the final step (None if it keeps none)."""
+    disabled: TransferCounts
+    """Profiler counts of a step with the offloader disabled."""
+    seconds: float = 0.0
+
+    @property
+    def measured(self) -> dict[GroupKey, dict[str, int]]:
+        return self.counts.by_group()
+
+    def expected_fields(self) -> dict[GroupKey, dict[str, int]]:
+        return {
+            k: dict(zip(COUNTER_FIELDS, (e.copies, e.bytes, e.copies, e.bytes), strict=True))
+            for k, e in self.expected.items()
+            if e.copies
+        }
+
+    def mismatches(self) -> list[str]:
+        """Group occurrences whose profiled counts differ from the prediction."""
+        return _diff(self.expected_fields(), self.measured, "predicted", "measured")
+
+    def log_mismatches(self) -> list[str]:
+        """Group occurrences whose logged counts differ from the profiler's."""
+        if self.logged is None:
+            return []
+        return _diff(self.logged, self.measured, "log", "profiler")
+
+    def moved_names(self) -> set[str]:
+        return {name for (_, _, name), f in self.measured.items() if f["d2h_copies"]}
 
 
-def run_equivalence(case: Case, env: Environment) -> EquivalenceResult:
-    """Offload vs the plain and hooks baselines, every step and microbatch."""
+_ZERO = dict.fromkeys(COUNTER_FIELDS, 0)
+
+
+def _diff(
+    left: dict[GroupKey, dict[str, int]], right: dict[GroupKey, dict[str, int]], a: str, b: str
+) -> list[str]:
+    return [
+        f"final step, microbatch {k[0]}, layer {k[1]}, group {k[2]}: "
+        f"{a} {left.get(k, _ZERO)} {b} {right.get(k, _ZERO)}"
+        for k in sorted({*left, *right})
+        if left.get(k, _ZERO) != right.get(k, _ZERO)
+    ]
+
+
+def run_case(case: Case, env: Environment) -> CaseRun:
+    """The plain and hooks baselines, the offload run (warmup and final steps profiled) and a
+    disabled run; the prediction from the hooks run's records."""
     start = time.perf_counter()
     spec, run, config = env.spec(case), case.run_spec(), case.offload_config()
     kept = dict(keep_grads=True, keep_final_state=True)
     plain = train(spec, run, NoOffload(), env.device, **kept)
-    hooks = train(spec, run, RecordingOffloader(config, env.device), env.device)
+    recorder = RecordingOffloader(config, env.device)
+    hooks = train(spec, run, recorder, env.device)
+    observations = recorder.iterations[0]
+    _, steady = predict(observations, config, schedule_order(run.schedule, run.microbatches))
     sink: list[TransferCounts] = []
-    offloader = env.offloader(config)
-    try:
+    last = run.steps - 1
+    with _closing(env.offloader(config)) as offloader:
         offload = train(
-            spec, run, offloader, env.device, hooks=profile_steps(env.device, {0}, sink), **kept
+            spec,
+            run,
+            offloader,
+            env.device,
+            hooks=profile_steps(env.device, {0, last}, sink),
+            **kept,
         )
-    finally:
-        offloader.close()
-    result = EquivalenceResult(
+    disabled: list[TransferCounts] = []
+    with _closing(env.offloader(config)) as offloader:
+        offloader.set_enabled(False)
+        train(
+            spec,
+            run.replace(steps=1),
+            offloader,
+            env.device,
+            hooks=profile_steps(env.device, {0}, disabled),
+        )
+    result = CaseRun(
         case=case,
         plain=plain,
         hooks=hooks,
         offload=offload,
         verdict=verdict(plain.losses, hooks.losses, offload.losses, case.tolerance),
-        warmup_transfers=sink[0],
-        proof_problems=offload_proof(case, spec, sink[0], run.microbatches),
         grad_difference=_first_grad_difference(plain, offload),
         weight_difference=first_tensor_difference(plain.final_state, offload.final_state),
+        warmup_transfers=sink[0],
+        proof_problems=offload_proof(case, spec, sink[0], run.microbatches),
+        observations=observations,
+        expected=steady,
+        counts=sink[-1],
+        logged=log_by_group(offload.logs[-1].groups) if offload.logs else None,
+        disabled=disabled[0],
         seconds=time.perf_counter() - start,
     )
     for run_result in (plain, offload):  # compared; drop the copies (GBs on GPU-sized models)
         run_result.grads, run_result.final_state = [], {}
     return result
+
+
+@contextlib.contextmanager
+def _closing(offloader: Offloader) -> Iterator[Offloader]:
+    try:
+        yield offloader
+    finally:
+        offloader.close()
 
 
 def _first_grad_difference(a: TrainResult, b: TrainResult) -> tuple[int, str, float] | None:
@@ -150,109 +232,11 @@ def _first_grad_difference(a: TrainResult, b: TrainResult) -> tuple[int, str, fl
     return None
 
 
-@dataclass(kw_only=True)
-class TransferResult:
-    case: Case
-    expected: dict[GroupKey, Expected]
-    """Steady-state prediction per group occurrence."""
-    measured: dict[GroupKey, dict[str, int]]
-    """Profiler counts of the final step per group occurrence."""
-    logged: dict[GroupKey, dict[str, int]] | None
-    """The offloader's own log of the final step (None if it keeps none)."""
-    counts: TransferCounts
-    disabled: TransferCounts
-    """Profiler counts of a final step with the offloader disabled."""
-    observations: list[GroupObservation] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def expected_fields(self) -> dict[GroupKey, dict[str, int]]:
-        return {
-            k: {
-                "d2h_copies": e.copies,
-                "d2h_bytes": e.bytes,
-                "h2d_copies": e.copies,
-                "h2d_bytes": e.bytes,
-            }
-            for k, e in self.expected.items()
-            if e.copies
-        }
-
-    def mismatches(self) -> list[str]:
-        """Group occurrences whose profiled counts differ from the prediction."""
-        want, got = self.expected_fields(), self.measured
-        return [
-            f"{_label(k)}: predicted {want.get(k, _ZERO)} measured {got.get(k, _ZERO)}"
-            for k in sorted({*want, *got})
-            if want.get(k, _ZERO) != got.get(k, _ZERO)
-        ]
-
-    def log_mismatches(self) -> list[str]:
-        """Group occurrences whose logged counts differ from the profiler's."""
-        if self.logged is None:
-            return []
-        return [
-            f"{_label(k)}: log {self.logged.get(k, _ZERO)} profiler {self.measured.get(k, _ZERO)}"
-            for k in sorted({*self.logged, *self.measured})
-            if self.logged.get(k, _ZERO) != self.measured.get(k, _ZERO)
-        ]
-
-    def moved_names(self) -> set[str]:
-        return {name for (_, _, name), f in self.measured.items() if f["d2h_copies"]}
-
-
-_ZERO = dict.fromkeys(COUNTER_FIELDS, 0)
-
-
-def _label(key: GroupKey) -> str:
-    mb, layer, name = key
-    return f"step final, microbatch {mb}, layer {layer}, group {name}"
-
-
 def record_observations(case: Case, env: Environment) -> list[GroupObservation]:
     """What each group saves, from a one-step hooks run."""
     recorder = RecordingOffloader(case.offload_config(), env.device)
     train(env.spec(case), case.run_spec().replace(steps=1), recorder, env.device)
     return recorder.iterations[0]
-
-
-def run_transfers(case: Case, env: Environment) -> TransferResult:
-    """Final-step transfers: prediction, profiler, the offloader's log, and a disabled run."""
-    start = time.perf_counter()
-    spec, run, config = env.spec(case), case.run_spec(), case.offload_config()
-    observations = record_observations(case, env)
-    _, steady = predict(observations, config, schedule_order(run.schedule, run.microbatches))
-    last = run.steps - 1
-    sink: list[TransferCounts] = []
-    offloader = env.offloader(config)
-    try:
-        result = train(
-            spec, run, offloader, env.device, hooks=profile_steps(env.device, {last}, sink)
-        )
-    finally:
-        offloader.close()
-    disabled_sink: list[TransferCounts] = []
-    disabled = env.offloader(config)
-    disabled.set_enabled(False)
-    try:
-        train(
-            spec,
-            run.replace(steps=2),
-            disabled,
-            env.device,
-            hooks=profile_steps(env.device, {1}, disabled_sink),
-        )
-    finally:
-        disabled.close()
-    return TransferResult(
-        case=case,
-        expected=steady,
-        measured=sink[0].by_group(),
-        logged=log_by_group(result.logs[-1].groups) if result.logs else None,
-        counts=sink[0],
-        disabled=disabled_sink[0],
-        observations=observations,
-        seconds=time.perf_counter() - start,
-    )
 
 
 def total(counts: TransferCounts) -> Counts:
@@ -282,9 +266,9 @@ class MemoryResult:
 def run_memory(case: Case, env: Environment) -> MemoryResult:
     """Memory right after the last forward of the final step, and that step's peak.
 
-    Tolerance: the caching allocator hands out blocks rounded to 512 B, and a large block whose
-    remainder would be at most 1 MiB is handed out whole, so each freed storage may differ from
-    its byte size by up to 512 B (small) or 1 MiB (large, > 1 MiB).
+    Prediction: the storages the in-flight offloaded groups free (``harness.predict``), each
+    rounded up to the allocator's 512 B blocks; tolerance: up to 1 MiB more per storage above
+    1 MiB, for a large block handed out whole.
     """
     if env.device.type != "cuda":
         raise ValueError("the memory case needs a CUDA device")
@@ -294,21 +278,14 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
     observations = record_observations(case, env)
     _, steady = predict(observations, config, order)
     in_flight = in_flight_after_forward(order, last_forward)
-    predicted = freed_bytes(observations, steady, in_flight)
-    storages = {
-        (o.microbatch, s.storage_id): s.storage_nbytes
-        for o in observations
-        for s in (*o.saved, *o.released)
-        if o.microbatch in in_flight
-        and s.storage_id in steady[(o.microbatch, o.layer, o.name)].freed_storages
-    }
-    tolerance = sum(2**20 if n > 2**20 else 512 for n in storages.values())
+    freed = freed_storages(observations, steady, in_flight)
+    # The caching allocator rounds each block up to 512 B; a large block whose remainder would
+    # be at most 1 MiB is handed out whole. Predict the 512 B rounding, allow the rest.
+    predicted = sum(-(-n // 512) * 512 for n in freed.values())
+    tolerance = sum(2**20 if n > 2**20 else 0 for n in freed.values())
     base = _memory_run(spec, run, NoOffload(), env.device, order[last_forward][1])
-    offloader = env.offloader(config)
-    try:
+    with _closing(env.offloader(config)) as offloader:
         off = _memory_run(spec, run, offloader, env.device, order[last_forward][1])
-    finally:
-        offloader.close()
     return MemoryResult(
         case=case,
         baseline_after_forward=base[0],

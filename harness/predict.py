@@ -175,15 +175,13 @@ def in_flight_after_forward(order: Sequence[tuple[str, int]], index: int) -> lis
     return [m for m in done if m not in started]
 
 
-def freed_bytes(
+def freed_storages(
     observations: Sequence[GroupObservation],
     expected: dict[GroupKey, Expected],
     microbatches: Sequence[int],
-    *,
-    rounding: int = 512,
-) -> int:
-    """Device bytes the offloaded groups of ``microbatches`` free, per storage rounded up to
-    the caching allocator's block granularity."""
+) -> dict[tuple[int, int], int]:
+    """(microbatch, storage id) -> bytes of every device storage that the offloaded groups of
+    ``microbatches`` free."""
     sizes: dict[tuple[int, int], int] = {}
     for obs in observations:
         key = (obs.microbatch, obs.layer, obs.name)
@@ -192,4 +190,4 @@ def freed_bytes(
         for info in (*obs.saved, *obs.released):
             if info.storage_id in expected[key].freed_storages:
                 sizes[(obs.microbatch, info.storage_id)] = info.storage_nbytes
-    return sum(-(-n // rounding) * rounding for n in sizes.values())
+    return sizes

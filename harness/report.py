@@ -106,8 +106,8 @@ def _mib(value: int | None) -> str:
     return f"{value} ({value / 2**20:.2f} MiB)"
 
 
-def equivalence_record(res: Any) -> dict[str, Any]:
-    """Report fields of an ``EquivalenceResult``."""
+def case_record(res: Any) -> dict[str, Any]:
+    """Report fields of a ``CaseRun``: losses of the three runs, verdict, transfers."""
     return {
         "losses": {
             "plain": res.plain.losses.tolist(),
@@ -119,12 +119,12 @@ def equivalence_record(res: Any) -> dict[str, Any]:
             d: {"copies": c.copies, "bytes": c.bytes}
             for d, c in res.warmup_transfers.totals().items()
         },
-        "seconds_equivalence": round(res.seconds, 3),
+        "seconds": round(res.seconds, 3),
+        **_transfer_fields(res),
     }
 
 
-def transfer_record(res: Any) -> dict[str, Any]:
-    """Report fields of a ``TransferResult`` (final-step profiler counts)."""
+def _transfer_fields(res: Any) -> dict[str, Any]:
     totals = res.counts.totals()
     per_name = {
         f"{direction}:{name}": {"copies": c.copies, "bytes": c.bytes}
@@ -142,7 +142,6 @@ def transfer_record(res: Any) -> dict[str, Any]:
             "unattributed": {d: c.copies for d, c in res.counts.unattributed.items()},
             "mode": res.counts.mode,
         },
-        "seconds_transfers": round(res.seconds, 3),
     }
 
 
