@@ -1,0 +1,294 @@
+"""The ``offload-harness`` CLI and the pytest plugin's options.
+
+Bad input: exit code 2 and one line on stderr. Listings: the case ids and backend names. One
+real passing run (report on disk) and one failing run whose backend corrupts every reload
+(transport corruption must be reported). The pytest options are checked in a nested pytest
+(``pytester``) and the matrix parametrization by collecting ``cases/`` in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from harness.cases import default_matrix
+from harness.cli import main
+from harness.offload.config import OffloadConfig
+from harness.offload.reference import OffloadContext
+
+pytest_plugins = ["pytester"]
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGINS = ("-p", "fixtures.options", "-p", "fixtures.dist", "-p", "fixtures.models")
+PLUGINS += ("-p", "fixtures.cases")
+
+
+# ---------------------------------------------------------------------------- a broken backend
+
+
+class FlipSignOffloader(OffloadContext):
+    """The reference offloader with a transport bug: every reloaded floating tensor comes back
+    with its first element negated (the hooks and the graph are untouched)."""
+
+    name = "broken.flip_sign"
+
+    def _copy_in(self, group: Any, entry: Any) -> torch.Tensor:
+        restored = super()._copy_in(group, entry)
+        if not restored.is_floating_point() or restored.numel() == 0:
+            return restored
+        corrupted = restored.clone()
+        first = (0,) * corrupted.dim()
+        corrupted[first] = -corrupted[first]
+        return corrupted
+
+
+def flip_sign_offloader(config: OffloadConfig, device: torch.device) -> FlipSignOffloader:
+    """Backend factory (``module:flip_sign_offloader``) of the broken offloader."""
+    return FlipSignOffloader(config, device)
+
+
+# This module's import name depends on pytest's import mode ("test_cli" or "tests.test_cli");
+# the name it was imported under always resolves to this very module object.
+FLIP_SIGN_BACKEND = f"{__name__}:flip_sign_offloader"
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+CUSTOM = ("run", "--device", "cpu", "--steps", "1")
+ONE_LAYER = (*CUSTOM, "--pattern", "+-", "--offload", "core_attn")
+
+BAD_INPUT = {
+    "unknown-symbol": [*CUSTOM, "--pattern", "+x-", "--offload", "core_attn"],
+    "mixed-attention": [*CUSTOM, "--pattern", "+*", "--offload", "core_attn"],
+    "not-applicable": [*CUSTOM, "--pattern", "+-+-+-", "--offload", "mlp_norm"],
+    "conflicting": [*CUSTOM, "--pattern", "*E*E", "--offload", "fused_group_mlp,expert_fc1"],
+    "attn_proj-alone": [*CUSTOM, "--pattern", "+-", "--offload", "attn_proj"],
+    "unknown-module": [*CUSTOM, "--pattern", "+-", "--offload", "core_atn"],
+    "pattern-without-offload": [*CUSTOM, "--pattern", "+-"],
+    "unknown-backend": [*CUSTOM, "--backend", "nope"],
+    "unimportable-backend": [*CUSTOM, "--backend", "no_such_module_xyz:factory"],
+    "max-inflight-word": [*ONE_LAYER, "--max-inflight", "many"],
+    "max-inflight-negative": [*ONE_LAYER, "--max-inflight", "-1"],
+    "unknown-case": ["run", "--device", "cpu", "--case", "no-such-case"],
+    "case-and-pattern": [
+        *("run", "--device", "cpu", "--case", default_matrix()[0].name),
+        *("--pattern", "+-", "--offload", "core_attn"),
+    ],
+    "unknown-subcommand": ["frobnicate"],
+    "no-subcommand": [],
+    "unknown-option": ["run", "--frobnicate"],
+    "bad-schedule": [*CUSTOM, "--schedule", "zigzag"],
+    "bad-steps": [*CUSTOM, "--steps", "two"],
+    "bad-matrix": ["cases", "--matrix", "huge"],
+}
+
+
+def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {err!r}"
+    assert lines[0].startswith("offload-harness: error:"), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv", BAD_INPUT.values(), ids=BAD_INPUT.keys())
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code = main([*argv, "--report-dir", str(tmp_path)] if argv[:1] == ["run"] else argv)
+    line = _one_error_line(capsys)
+    assert code == 2, line
+    assert not list(tmp_path.iterdir()), "a rejected run must not write a report"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (BAD_INPUT["unknown-symbol"], "'x'"),
+        (BAD_INPUT["not-applicable"], "mlp_norm"),
+        (BAD_INPUT["conflicting"], "fused_group_mlp"),
+        (BAD_INPUT["unknown-backend"], "--backend"),
+        (BAD_INPUT["max-inflight-word"], "--max-inflight"),
+        (BAD_INPUT["unknown-case"], "no-such-case"),
+        (BAD_INPUT["case-and-pattern"], "--case"),
+        (BAD_INPUT["unknown-option"], "--frobnicate"),
+        (BAD_INPUT["unknown-subcommand"], "frobnicate"),
+    ],
+)
+def test_error_line_names_the_problem(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert needle in _one_error_line(capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is visible: --device cuda is valid")
+def test_device_cuda_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--device", "cuda", "--pattern", "+-", "--offload", "core_attn"]) == 2
+    assert "cuda" in _one_error_line(capsys)
+
+
+# ----------------------------------------------------------------------------------- listings
+
+
+def _stdout_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    out, err = capsys.readouterr()
+    assert err == ""
+    return out.splitlines()
+
+
+def test_cases_lists_the_default_matrix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cases"]) == 0
+    ids = _stdout_lines(capsys)
+    assert ids == [c.name for c in default_matrix()]
+    assert len(ids) == 17 and len(set(ids)) == 17
+    # The seed case comes first.
+    assert ids[0] == "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
+
+
+def test_cases_full_lists_192_ids(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cases", "--matrix", "full"]) == 0
+    ids = _stdout_lines(capsys)
+    assert len(ids) == 192 and len(set(ids)) == 192
+    assert "hybrid-+-+-+-_core_attn+attn_proj_1f1b_bf16_inflight-none" in ids
+
+
+def test_backends_lists_the_builtins(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["backends"]) == 0
+    assert _stdout_lines(capsys)[:3] == ["reference", "none", "hooks"]
+
+
+# ----------------------------------------------------------------------------------- real runs
+
+# Two attention layers: after the warmup the last core_attn/attn_proj of each microbatch stays on
+# the device (its backward comes right after the forward, the "margin" policy), so with a single
+# attention layer ("+-") the steady state would offload nothing and the run is refused as
+# proving nothing (test_run_that_offloads_nothing_is_refused). Layer 0 keeps offloading here.
+RUN = ["run", "--device", "cpu", "--pattern", "+-+-", "--offload", "core_attn,attn_proj"]
+RUN += ["--steps", "3"]
+CASE_NAME = "hybrid-+-+-_core_attn+attn_proj_sequential_fp32_3x2"
+
+
+def _only_summary(report_dir: Path) -> dict[str, Any]:
+    summaries = list(report_dir.glob("*/summary.json"))
+    assert len(summaries) == 1, summaries
+    assert [p.name for p in report_dir.iterdir()] == [summaries[0].parent.name]
+    return json.loads(summaries[0].read_text())
+
+
+def test_run_passes_and_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([*RUN, "--report-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    table = out[out.index("case ") :]
+    assert CASE_NAME in table and "pass" in table
+    assert "1/1 cases passed" in out
+
+    summary = _only_summary(tmp_path)
+    (case,) = summary["cases"]
+    assert case["name"] == CASE_NAME
+    assert case["verdict"] == "pass" and case["problems"] == []
+    losses = {k: torch.tensor(v) for k, v in case["losses"].items()}
+    assert set(losses) == {"plain", "hooks", "offload"}
+    for run in losses.values():
+        assert run.shape == (3, 2)
+        assert torch.equal(run, losses["plain"])
+    assert torch.isfinite(losses["plain"]).all()
+    transfers = case["transfers"]
+    assert transfers["d2h_bytes"] == transfers["h2d_bytes"] > 0
+    assert transfers["d2h_copies"] == transfers["h2d_copies"] > 0
+    assert set(transfers["names_moved"]) == {"core_attn", "attn_proj"}
+
+
+def test_run_that_offloads_nothing_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One attention layer: only the warmup offloads; the final step moves nothing, and a case
+    that cannot prove anything is a failure, not a pass."""
+    argv = ["run", "--device", "cpu", "--pattern", "+-", "--offload", "core_attn,attn_proj"]
+    code = main([*argv, "--steps", "3", "--report-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "the prediction moves nothing in the final step" in out
+    (case,) = _only_summary(tmp_path)["cases"]
+    assert case["verdict"] == "fail"
+    assert case["equivalence"] == "pass"  # the numbers themselves are fine
+
+
+def test_run_reports_transport_corruption(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main([*RUN, "--backend", FLIP_SIGN_BACKEND, "--report-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert f"FAIL {CASE_NAME}" in out
+    assert "transport corruption" in out
+    assert "first divergence" in out
+    (case,) = _only_summary(tmp_path)["cases"]
+    assert case["verdict"] == "fail"
+    assert case["equivalence"] == "transport"
+    # The hooks baseline is untouched by the bug; only the offload run diverges.
+    assert case["losses"]["hooks"] == case["losses"]["plain"]
+    assert case["losses"]["offload"] != case["losses"]["plain"]
+
+
+# ------------------------------------------------------------------------ pytest plugin options
+
+INNER_TEST = """
+def test_options_resolved(settings):
+    assert settings.matrix == "full"
+    assert settings.model_size == "tiny"
+    assert settings.device.type == "cpu"
+    assert settings.backend == "hooks"
+"""
+
+
+def test_plugin_options_resolve(pytester: pytest.Pytester) -> None:
+    """Positive control: valid options reach the ``settings`` fixture."""
+    pytester.makepyfile(test_inner=INNER_TEST)
+    result = pytester.runpytest(
+        *PLUGINS, "--device", "cpu", "--matrix", "full", "--backend", "hooks"
+    )
+    result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--device", "bogus"),
+        ("--matrix", "huge"),
+        ("--backend", "nope"),
+        ("--model-size", "xl"),
+    ],
+)
+def test_plugin_rejects_bad_option(pytester: pytest.Pytester, option: str, value: str) -> None:
+    pytester.makepyfile(test_inner=INNER_TEST)
+    result = pytester.runpytest(*PLUGINS, option, value)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in result.errlines if line.strip()]
+    assert len(errors) == 1, result.errlines
+    assert option in errors[0] and repr(value) in errors[0], errors[0]
+
+
+def _collected_case_ids(*options: str) -> list[str]:
+    """Test ids ``pytest --collect-only`` finds in cases/test_equivalence.py (repo root)."""
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    command += ["cases/test_equivalence.py", "--device", "cpu", *options]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    prefix = "cases/test_equivalence.py::test_loss_equivalence["
+    return [line[len(prefix) : -1] for line in done.stdout.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.parametrize(("matrix", "count"), [("default", 17), ("full", 192)])
+def test_matrix_option_parametrizes_case_tests(matrix: str, count: int) -> None:
+    ids = _collected_case_ids("--matrix", matrix)
+    assert len(ids) == count and len(set(ids)) == count
+    if matrix == "default":
+        assert ids == [c.name for c in default_matrix()]
