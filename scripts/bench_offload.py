@@ -50,11 +50,16 @@ class _Save(torch.autograd.Function):
 
 
 def _timed(fn: Callable[[], object]) -> float:
+    return _timed_call(fn)[0]
+
+
+def _timed_call(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds from an idle device to the device finishing what ``fn`` enqueued, and its value."""
     torch.cuda.synchronize()
     start = time.perf_counter()
-    fn()
+    value = fn()
     torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, value
 
 
 def raw_rates(nbytes: int, count: int, repeats: int) -> tuple[float, float]:
@@ -89,18 +94,19 @@ def offload_rates(nbytes: int, count: int, repeats: int) -> tuple[float, float]:
     ]
     tiny = torch.zeros(8, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     d2h_times, h2d_times = [], []
+
+    def forward() -> list[torch.Tensor]:
+        off.begin_microbatch(0)
+        outs = []
+        for layer, x in enumerate([*inputs, tiny]):
+            group = off.group("core_attn", x, layer=layer)
+            with group:
+                y = _Save.apply(group.input)
+            outs.append(group.commit(y))
+        return outs
+
     for iteration in range(repeats + 1):
-        outs: list[torch.Tensor] = []
-
-        def forward() -> None:
-            off.begin_microbatch(0)
-            for layer, x in enumerate([*inputs, tiny]):
-                group = off.group("core_attn", x, layer=layer)
-                with group:
-                    y = _Save.apply(group.input)
-                outs.append(group.commit(y))
-
-        d2h = _timed(forward)
+        d2h, outs = _timed_call(forward)
         loss = sum(o[:1].float().sum() for o in outs)
         h2d = _timed(loss.backward)
         off.end_iteration()
