@@ -6,6 +6,8 @@ serves both, so the CLI and the test suite cannot disagree about a verdict.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from harness.cases import Case
@@ -116,6 +118,17 @@ def memory_problems(res: MemoryResult) -> list[str]:
             f"memory after the last forward dropped by {res.measured_drop} B, predicted "
             f"{res.predicted_drop} B (allocator rounding allowance {res.tolerance} B)"
         )
+        problems.append(f"  predicted freed storages (bytes: count): {_sizes(res.predicted_sizes)}")
+        problems.append(f"  live only in the baseline: {_sizes(res.freed_sizes)}")
+        problems.append(f"  live only in the offload run: {_sizes(res.extra_sizes)}")
     if res.offload_peak > res.baseline_peak:
         problems.append(f"peak {res.offload_peak} B above the baseline's {res.baseline_peak} B")
     return problems
+
+
+def _sizes(sizes: Counter[int], limit: int = 12) -> str:
+    top = sorted(sizes.items(), key=lambda kv: -kv[0] * kv[1])[:limit]
+    more = len(sizes) - len(top)
+    return ", ".join(f"{size}: {count}" for size, count in top) + (
+        f" (+{more} more)" if more else ""
+    )

@@ -12,9 +12,12 @@ Shared by the pytest cases and ``offload-harness run``, so both judge a case the
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -251,12 +254,21 @@ def total(counts: TransferCounts) -> Counts:
 class MemoryResult:
     case: Case
     baseline_after_forward: int
+    """Bytes allocated after the last forward, above what was allocated before the run."""
     offload_after_forward: int
     predicted_drop: int
     tolerance: int
     """Allocator rounding bound (see ``run_memory``)."""
     baseline_peak: int
+    """Peak bytes of the final step, above what was allocated before the run."""
     offload_peak: int
+    predicted_sizes: Counter[int]
+    """Bytes of each storage predicted to be freed."""
+    freed_sizes: Counter[int]
+    """Requested bytes of live blocks the baseline holds after the last forward and the offload
+    run does not (a multiset difference), for diagnosis."""
+    extra_sizes: Counter[int]
+    """Requested bytes of live blocks only the offload run holds."""
 
     @property
     def measured_drop(self) -> int:
@@ -264,7 +276,9 @@ class MemoryResult:
 
 
 def run_memory(case: Case, env: Environment) -> MemoryResult:
-    """Memory right after the last forward of the final step, and that step's peak.
+    """Memory right after the last forward of the final step, and that step's peak, both
+    relative to the memory allocated before the run started (so nothing a previous run left
+    behind counts).
 
     Prediction: the storages the in-flight offloaded groups free (``harness.predict``), each
     rounded up to the allocator's 512 B blocks; tolerance: up to 1 MiB more per storage above
@@ -277,8 +291,7 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
     last_forward = max(i for i, (kind, _) in enumerate(order) if kind == "F")
     observations = record_observations(case, env)
     _, steady = predict(observations, config, order)
-    in_flight = in_flight_after_forward(order, last_forward)
-    freed = freed_storages(observations, steady, in_flight)
+    freed = freed_storages(observations, steady, in_flight_after_forward(order, last_forward))
     # The caching allocator rounds each block up to 512 B; a large block whose remainder would
     # be at most 1 MiB is handed out whole. Predict the 512 B rounding, allow the rest.
     predicted = sum(-(-n // 512) * 512 for n in freed.values())
@@ -288,26 +301,57 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
         off = _memory_run(spec, run, offloader, env.device, order[last_forward][1])
     return MemoryResult(
         case=case,
-        baseline_after_forward=base[0],
-        offload_after_forward=off[0],
+        baseline_after_forward=base.after_forward,
+        offload_after_forward=off.after_forward,
         predicted_drop=predicted,
         tolerance=tolerance,
-        baseline_peak=base[1],
-        offload_peak=off[1],
+        baseline_peak=base.peak,
+        offload_peak=off.peak,
+        predicted_sizes=Counter(freed.values()),
+        freed_sizes=base.blocks - off.blocks,
+        extra_sizes=off.blocks - base.blocks,
     )
+
+
+@dataclass(frozen=True)
+class _MemoryReading:
+    after_forward: int
+    peak: int
+    blocks: Counter[int]
+
+
+def _live_blocks(device: torch.device) -> Counter[int]:
+    """Requested sizes of the allocator's live blocks on ``device``."""
+    sizes: Counter[int] = Counter()
+    for segment in torch.cuda.memory_snapshot():
+        if segment.get("device", device.index) != device.index:
+            continue
+        for block in segment.get("blocks", []):
+            if block.get("state") == "active_allocated":
+                sizes[int(block.get("requested_size", block["size"]))] += 1
+    return sizes
+
+
+def _settled(device: torch.device) -> int:
+    """Allocated bytes once everything pending is freed (collect cycles, finish the streams,
+    free blocks whose record_stream events completed)."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
 
 
 def _memory_run(
     spec: ModelSpec, run: RunSpec, offloader: Offloader, device: torch.device, last_mb: int
-) -> tuple[int, int]:
-    seen: dict[str, int] = {}
+) -> _MemoryReading:
+    seen: dict[str, Any] = {}
     last = run.steps - 1
+    floor = _settled(device)
 
     def after_forward(step: int, mb: int) -> None:
         if step == last and mb == last_mb:
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()  # frees blocks whose record_stream events completed
-            seen["after_forward"] = torch.cuda.memory_allocated(device)
+            seen["after_forward"] = _settled(device) - floor
+            seen["blocks"] = _live_blocks(device)
 
     @contextlib.contextmanager
     def step_context(step: int) -> Iterator[None]:
@@ -317,13 +361,8 @@ def _memory_run(
         yield
         if step == last:
             torch.cuda.synchronize(device)
-            seen["peak"] = torch.cuda.max_memory_allocated(device)
+            seen["peak"] = torch.cuda.max_memory_allocated(device) - floor
 
-    train(
-        spec,
-        run,
-        offloader,
-        device,
-        hooks=RunHooks(step_context=step_context, after_forward=after_forward),
-    )
-    return seen["after_forward"], seen["peak"]
+    hooks = RunHooks(step_context=step_context, after_forward=after_forward)
+    train(spec, run, offloader, device, hooks=hooks)
+    return _MemoryReading(seen["after_forward"], seen["peak"], seen["blocks"])
