@@ -28,7 +28,14 @@ from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import GroupRecord, Offloader
 from harness.offload.recorder import GroupObservation, RecordingOffloader
-from harness.predict import Expected, GroupKey, freed_storages, in_flight_after_forward, predict
+from harness.predict import (
+    Expected,
+    GroupKey,
+    freed_storages,
+    in_flight_after_forward,
+    predict,
+    redundant_reload_bytes,
+)
 from harness.spec import ModelSpec, RunSpec
 from harness.train import RunHooks, TrainResult, schedule_order, train
 from harness.transfers import Counts, TransferCounts, count_transfers, transfer_profiler
@@ -252,37 +259,48 @@ def total(counts: TransferCounts) -> Counts:
 
 @dataclass(kw_only=True)
 class MemoryResult:
+    """Memory right after the last forward of the final step, and that step's peak; every
+    figure is relative to what was allocated before the run started."""
+
     case: Case
-    baseline_after_forward: int
-    """Bytes allocated after the last forward, above what was allocated before the run."""
-    offload_after_forward: int
     predicted_drop: int
-    tolerance: int
-    """Allocator rounding bound (see ``run_memory``)."""
+    """Bytes of the storages the in-flight offloaded groups free (``harness.predict``)."""
+    baseline_requested: int
+    """Bytes requested by the live allocations of the baseline after the last forward."""
+    offload_requested: int
+    baseline_allocated: int
+    """``torch.cuda.memory_allocated`` of the baseline after the last forward."""
+    offload_allocated: int
+    rounding: int
+    """Allocator rounding measured on the live blocks of both runs (block size - request)."""
     baseline_peak: int
-    """Peak bytes of the final step, above what was allocated before the run."""
     offload_peak: int
+    peak_allowance: int
+    """Duplicate whole-storage reloads of the two largest offloaded groups (see
+    ``harness.predict.redundant_reload_bytes``): what Megatron's per-tensor copies may add."""
     predicted_sizes: Counter[int]
     """Bytes of each storage predicted to be freed."""
     freed_sizes: Counter[int]
-    """Requested bytes of live blocks the baseline holds after the last forward and the offload
-    run does not (a multiset difference), for diagnosis."""
+    """Requested bytes of live blocks the baseline holds and the offload run does not."""
     extra_sizes: Counter[int]
     """Requested bytes of live blocks only the offload run holds."""
 
     @property
-    def measured_drop(self) -> int:
-        return self.baseline_after_forward - self.offload_after_forward
+    def requested_drop(self) -> int:
+        return self.baseline_requested - self.offload_requested
+
+    @property
+    def allocated_drop(self) -> int:
+        return self.baseline_allocated - self.offload_allocated
 
 
 def run_memory(case: Case, env: Environment) -> MemoryResult:
-    """Memory right after the last forward of the final step, and that step's peak, both
-    relative to the memory allocated before the run started (so nothing a previous run left
-    behind counts).
+    """Baseline vs offload memory after the last forward and at the final step's peak.
 
-    Prediction: the storages the in-flight offloaded groups free (``harness.predict``), each
-    rounded up to the allocator's 512 B blocks; tolerance: up to 1 MiB more per storage above
-    1 MiB, for a large block handed out whole.
+    The drop is compared in requested bytes (the sum of the sizes the live allocations asked
+    for), which the caching allocator's rounding does not touch, so it must equal the
+    prediction exactly; ``memory_allocated`` counts rounded blocks, so its drop may differ by
+    the rounding the snapshot shows on the live blocks of the two runs.
     """
     if env.device.type != "cuda":
         raise ValueError("the memory case needs a CUDA device")
@@ -292,21 +310,25 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
     observations = record_observations(case, env)
     _, steady = predict(observations, config, order)
     freed = freed_storages(observations, steady, in_flight_after_forward(order, last_forward))
-    # The caching allocator rounds each block up to 512 B; a large block whose remainder would
-    # be at most 1 MiB is handed out whole. Predict the 512 B rounding, allow the rest.
-    predicted = sum(-(-n // 512) * 512 for n in freed.values())
-    tolerance = sum(2**20 if n > 2**20 else 0 for n in freed.values())
+    redundant = sorted(
+        redundant_reload_bytes(o, config)
+        for o in observations
+        if steady[(o.microbatch, o.layer, o.name)].offloaded
+    )
     base = _memory_run(spec, run, NoOffload(), env.device, order[last_forward][1])
     with _closing(env.offloader(config)) as offloader:
         off = _memory_run(spec, run, offloader, env.device, order[last_forward][1])
     return MemoryResult(
         case=case,
-        baseline_after_forward=base.after_forward,
-        offload_after_forward=off.after_forward,
-        predicted_drop=predicted,
-        tolerance=tolerance,
+        predicted_drop=sum(freed.values()),
+        baseline_requested=base.requested,
+        offload_requested=off.requested,
+        baseline_allocated=base.allocated,
+        offload_allocated=off.allocated,
+        rounding=base.rounding + off.rounding,
         baseline_peak=base.peak,
         offload_peak=off.peak,
+        peak_allowance=sum(redundant[-2:]),
         predicted_sizes=Counter(freed.values()),
         freed_sizes=base.blocks - off.blocks,
         extra_sizes=off.blocks - base.blocks,
@@ -315,21 +337,27 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
 
 @dataclass(frozen=True)
 class _MemoryReading:
-    after_forward: int
+    allocated: int
+    requested: int
+    rounding: int
     peak: int
     blocks: Counter[int]
 
 
-def _live_blocks(device: torch.device) -> Counter[int]:
-    """Requested sizes of the allocator's live blocks on ``device``."""
+def _live_blocks(device: torch.device) -> tuple[Counter[int], int]:
+    """Requested sizes of the allocator's live blocks on ``device``, and their total rounding
+    (block size minus requested size)."""
     sizes: Counter[int] = Counter()
+    rounding = 0
     for segment in torch.cuda.memory_snapshot():
         if segment.get("device", device.index) != device.index:
             continue
         for block in segment.get("blocks", []):
             if block.get("state") == "active_allocated":
-                sizes[int(block.get("requested_size", block["size"]))] += 1
-    return sizes
+                requested = int(block.get("requested_size", block["size"]))
+                sizes[requested] += 1
+                rounding += int(block["size"]) - requested
+    return sizes, rounding
 
 
 def _settled(device: torch.device) -> int:
@@ -347,11 +375,17 @@ def _memory_run(
     seen: dict[str, Any] = {}
     last = run.steps - 1
     floor = _settled(device)
+    floor_blocks, floor_rounding = _live_blocks(device)
 
     def after_forward(step: int, mb: int) -> None:
         if step == last and mb == last_mb:
-            seen["after_forward"] = _settled(device) - floor
-            seen["blocks"] = _live_blocks(device)
+            seen["allocated"] = _settled(device) - floor
+            blocks, rounding = _live_blocks(device)
+            seen["blocks"] = blocks - floor_blocks
+            seen["rounding"] = rounding - floor_rounding
+            seen["requested"] = sum(size * n for size, n in blocks.items()) - sum(
+                size * n for size, n in floor_blocks.items()
+            )
 
     @contextlib.contextmanager
     def step_context(step: int) -> Iterator[None]:
@@ -365,4 +399,4 @@ def _memory_run(
 
     hooks = RunHooks(step_context=step_context, after_forward=after_forward)
     train(spec, run, offloader, device, hooks=hooks)
-    return _MemoryReading(seen["after_forward"], seen["peak"], seen["blocks"])
+    return _MemoryReading(**seen)

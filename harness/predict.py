@@ -67,11 +67,28 @@ def _group_bytes(obs: GroupObservation, config: OffloadConfig) -> tuple[int, int
 
 
 def _freed(obs: GroupObservation, config: OffloadConfig) -> frozenset[int]:
-    """Storages an offload frees: those of moved and released tensors, unless a saved tensor
-    that stays on the device (too small) still uses the storage."""
+    """Storages whose memory an offload frees compared with no offload: those the group's moved
+    saved tensors held, unless a saved tensor that stays on the device (too small) still uses
+    the storage. A forced release frees only what autograd would otherwise keep, i.e. these
+    same storages (a released tensor that nothing saves is freed with or without offloading)."""
     kept = {s.storage_id for s in obs.saved if s.on_device and not eligible(s, config)}
-    moved = {s.storage_id for s in (*obs.saved, *obs.released) if eligible(s, config)}
+    moved = {s.storage_id for s in obs.saved if eligible(s, config)}
     return frozenset(moved - kept)
+
+
+def redundant_reload_bytes(obs: GroupObservation, config: OffloadConfig) -> int:
+    """Device bytes a reload of this group holds beyond the original tensors: every whole-storage
+    copy of a storage that the group copies more than once comes back as its own storage
+    (Megatron copies each saved tensor separately; it warns about such duplicates)."""
+    whole: dict[int, list[int]] = {}
+    for info in obs.saved:
+        if (
+            eligible(info, config)
+            and not info.contiguous
+            and copy_bytes(info) == info.storage_nbytes
+        ):
+            whole.setdefault(info.storage_id, []).append(info.storage_nbytes)
+    return sum(sum(sizes[1:]) for sizes in whole.values())
 
 
 def predict(

@@ -149,12 +149,14 @@ def memory_record(res: Any) -> dict[str, Any]:
     """Report fields of a ``MemoryResult``."""
     return {
         "memory": {
-            "baseline_after_forward": res.baseline_after_forward,
-            "offload_after_forward": res.offload_after_forward,
             "predicted_drop": res.predicted_drop,
-            "measured_drop": res.measured_drop,
-            "tolerance": res.tolerance,
+            "requested_drop": res.requested_drop,
+            "allocated_drop": res.allocated_drop,
+            "rounding": res.rounding,
+            "baseline_allocated_after_forward": res.baseline_allocated,
+            "offload_allocated_after_forward": res.offload_allocated,
             "baseline_peak": res.baseline_peak,
             "offload_peak": res.offload_peak,
+            "peak_allowance": res.peak_allowance,
         }
     }
