@@ -74,6 +74,8 @@ def _device(value: str) -> torch.device:
         raise UsageError("--device cuda: no CUDA device is visible on this machine")
     if value == "auto":
         value = "cuda" if torch.cuda.is_available() else "cpu"
+    if value == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(value)
 
 

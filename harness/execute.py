@@ -349,8 +349,9 @@ def _live_blocks(device: torch.device) -> tuple[Counter[int], int]:
     (block size minus requested size)."""
     sizes: Counter[int] = Counter()
     rounding = 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
     for segment in torch.cuda.memory_snapshot():
-        if segment.get("device", device.index) != device.index:
+        if segment.get("device", index) != index:
             continue
         for block in segment.get("blocks", []):
             if block.get("state") == "active_allocated":

@@ -44,7 +44,7 @@ from harness.offload.passthrough import PassThroughGroup, apply_to_first
 from harness.offload.policy import apply_post_warmup
 from harness.offload.pool import HostBufferPool
 from harness.offload.protocol import GroupRecord, IterationLog, Output
-from harness.offload.ranges import range_name
+from harness.offload.ranges import Direction, range_name
 
 # A non-contiguous view covering at least this share of its storage is copied as the whole flat
 # storage (one DMA, layout restored on reload); a sparser view is gathered to contiguous.
@@ -458,7 +458,7 @@ class OffloadContext:
             self._d2h.wait_stream(torch.cuda.current_stream(self.device))
         with (
             self._on_stream(self._d2h, self.delays.d2h),
-            record_function(range_name("d2h", group.name, group.chunk.microbatch, group.layer)),
+            _profiler_range("d2h", group),
         ):
             for slot, tensor in list(group.entries.items()):
                 if isinstance(tensor, torch.Tensor) and self._eligible(tensor):
@@ -582,7 +582,7 @@ class OffloadContext:
         returned: list[torch.Tensor] = []
         with (
             self._on_stream(self._h2d, self.delays.h2d),
-            record_function(range_name("h2d", group.name, group.chunk.microbatch, group.layer)),
+            _profiler_range("h2d", group),
         ):
             for slot, entry in list(group.entries.items()):
                 if isinstance(entry, _HostCopy):
@@ -636,6 +636,14 @@ class OffloadContext:
         )
         self.warmup = False
         return dict(self.summary_bytes)
+
+
+def _profiler_range(direction: Direction, group: _Group) -> contextlib.AbstractContextManager[Any]:
+    """The group's named profiler range, or nothing when no profiler runs (a range costs tens
+    of microseconds per group even unprofiled)."""
+    if not torch._C._autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    return record_function(range_name(direction, group.name, group.chunk.microbatch, group.layer))
 
 
 def _pop_offloaded(stack: list[_Group]) -> _Group | None:
