@@ -14,7 +14,6 @@ from harness.cases import Case
 from harness.compare import loss_table
 from harness.execute import CaseRun, MemoryResult, total
 from harness.spec import ModelSpec
-from harness.train import DTYPES
 from harness.transfers import Counts
 
 
@@ -38,7 +37,7 @@ def equivalence_problems(case: Case, res: CaseRun) -> list[str]:
         name, diff = res.weight_difference
         problems.append(f"final weights differ first at {name} (max |diff| {diff:.3e})")
     if problems:
-        problems.append(loss_table(res.plain.losses, res.offload.losses, DTYPES[case.precision]))
+        problems.append(loss_table(res.plain.losses, res.offload.losses))
         problems.append(repro_hint(case))
     return problems
 
