@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -55,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--model-size", default="auto", choices=("auto", *MODEL_SIZES))
     run.add_argument("--report-dir", default="reports", help="parent folder of the run's report")
     run.add_argument("--case", help="run only this case id (see `offload-harness cases`)")
+    run.add_argument(
+        "--jobs", type=int, help="worker processes on CPU (default: one per core; CUDA: 1)"
+    )
     custom = run.add_argument_group("one custom case (instead of the matrix)")
     custom.add_argument("--pattern", help="layer pattern, e.g. +-+-+-")
     custom.add_argument("--offload", help="comma-separated group names, e.g. core_attn,attn_proj")
@@ -137,6 +143,58 @@ def _run_one(case: Case, env: Environment) -> dict[str, Any]:
     return record
 
 
+def _jobs(value: int | None, device: torch.device, cases: int) -> int:
+    if value is not None and value < 1:
+        raise UsageError(f"--jobs must be >= 1, got {value}")
+    if device.type == "cuda":
+        if value not in (None, 1):
+            raise UsageError("--jobs > 1 needs --device cpu (one GPU runs one case at a time)")
+        return 1
+    return min(value or os.cpu_count() or 1, cases)
+
+
+def _run_all(cases: list[Case], env: Environment, jobs: int) -> list[dict[str, Any]]:
+    """Run every case (in ``jobs`` worker processes on CPU), printing a line as each ends;
+    records come back in table order."""
+    records: list[dict[str, Any] | None] = [None] * len(cases)
+    done = 0
+
+    def report(index: int, record: dict[str, Any], seconds: float) -> None:
+        nonlocal done
+        done += 1
+        records[index] = record
+        print(
+            f"[{done}/{len(cases)}] {cases[index].name} {record['verdict']} ({seconds:.1f}s)",
+            flush=True,
+        )
+
+    if jobs == 1:
+        for index, case in enumerate(cases):
+            began = time.perf_counter()
+            report(index, _run_one(case, env), time.perf_counter() - began)
+        return records  # type: ignore[return-value]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        jobs, mp_context=context, initializer=_worker_init, initargs=(jobs,)
+    ) as pool:
+        futures = {pool.submit(_timed_case, case, env): i for i, case in enumerate(cases)}
+        for future in as_completed(futures):
+            record, seconds = future.result()
+            report(futures[future], record, seconds)
+    return records  # type: ignore[return-value]
+
+
+def _worker_init(jobs: int) -> None:
+    # Each worker gets its share of the cores; more intra-op threads would spin against the
+    # other workers'.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // jobs))
+
+
+def _timed_case(case: Case, env: Environment) -> tuple[dict[str, Any], float]:
+    began = time.perf_counter()
+    return _run_one(case, env), time.perf_counter() - began
+
+
 def command_run(args: argparse.Namespace) -> int:
     try:
         resolve_backend(args.backend)
@@ -155,13 +213,9 @@ def command_run(args: argparse.Namespace) -> int:
             env.spec(case)  # every selected case applies to its model, before any run
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    records, start = [], time.perf_counter()
-    for index, case in enumerate(cases, 1):
-        began = time.perf_counter()
-        print(f"[{index}/{len(cases)}] {case.name} ...", end="", flush=True)
-        record = _run_one(case, env)
-        records.append(record)
-        print(f" {record['verdict']} ({time.perf_counter() - began:.1f}s)", flush=True)
+    jobs = _jobs(args.jobs, device, len(cases))
+    start = time.perf_counter()
+    records = _run_all(cases, env, jobs)
     folder = run_folder(Path(args.report_dir))
     path = write_summary(
         folder,
