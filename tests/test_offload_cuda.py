@@ -92,15 +92,7 @@ def test_no_host_sync_in_steady_iterations() -> None:
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            off.begin_microbatch(0)
-            outs = []
-            for layer, x in enumerate(inputs):
-                group = off.group("core_attn", x, layer=layer)
-                with group:
-                    y = _Save.apply(group.input)
-                outs.append(group.commit(y))
-            torch.stack([o.sum() for o in outs]).sum().backward()
-            off.end_iteration()
+            _toy_iteration(off, inputs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert off.iteration_logs()[-1].d2h_bytes > 0

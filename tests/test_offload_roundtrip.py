@@ -10,7 +10,6 @@ from the offloader.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import torch
@@ -20,28 +19,11 @@ from harness.offload.config import OffloadConfig
 from harness.offload.protocol import IterationLog
 from harness.offload.reference import OffloadContext
 from harness.testing import strategies as hst
+from harness.testing.autograd import SaveAndHandBack
 
 OFFLOAD_EVERYTHING = OffloadConfig(offload_modules=("core_attn",), min_offloaded_tensor_size=0)
 
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-class _SaveAndHandBack(torch.autograd.Function):
-    """Identity on ``x``; saves ``tensors`` and appends what backward unpacks to ``sink``."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, sink: list[torch.Tensor], *tensors: torch.Tensor
-    ) -> torch.Tensor:
-        ctx.sink = sink
-        ctx.save_for_backward(*tensors)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        unpacked = ctx.saved_tensors
-        ctx.sink.extend(unpacked)
-        return (grad, None, *([None] * len(unpacked)))
 
 
 @dataclass(frozen=True)
@@ -62,7 +44,7 @@ def round_trip(tensors: tuple[torch.Tensor, ...], *, mutate_after_commit: bool) 
     off.begin_microbatch(0)
     group = off.group("core_attn", x, layer=0)
     with group:
-        out = _SaveAndHandBack.apply(group.input, sink, *tensors)
+        out = SaveAndHandBack.apply(group.input, sink, *tensors)
     at_commit = tuple(t.clone() for t in tensors)
     out = group.commit(out)
     if mutate_after_commit:

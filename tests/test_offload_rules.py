@@ -21,6 +21,7 @@ from harness.offload.protocol import GroupRecord, IterationLog, Offloader
 from harness.offload.recorder import RecordingOffloader
 from harness.offload.reference import OffloadContext, StructureChangedError
 from harness.spec import ModelSpec
+from harness.testing.autograd import SaveAndHandBack
 from harness.testing.strategies import normal
 
 MIN_NUMEL = 16
@@ -33,24 +34,6 @@ BOTH = ("core_attn", "attn_proj")
 def make_offloader(names: tuple[str, ...] = ("core_attn",), **knobs: Any) -> OffloadContext:
     config = OffloadConfig(offload_modules=names, min_offloaded_tensor_size=MIN_NUMEL, **knobs)
     return OffloadContext(config, "cpu")
-
-
-class _SaveAndHandBack(torch.autograd.Function):
-    """Identity on ``x``; saves ``tensors`` and appends what backward unpacks to ``sink``."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, sink: list[torch.Tensor], *tensors: torch.Tensor
-    ) -> torch.Tensor:
-        ctx.sink = sink
-        ctx.save_for_backward(*tensors)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        unpacked = ctx.saved_tensors
-        ctx.sink.extend(unpacked)
-        return (grad, None, *([None] * len(unpacked)))
 
 
 def one_group(
@@ -67,7 +50,7 @@ def one_group(
     off.begin_microbatch(0)
     group = off.group("core_attn", x, layer=0)
     with group:
-        out = _SaveAndHandBack.apply(group.input, sink, *saved)
+        out = SaveAndHandBack.apply(group.input, sink, *saved)
     out = group.commit(out, release=release)
     if after_commit is not None:
         after_commit()
@@ -487,17 +470,12 @@ def _assert_warmup_is_first_training_iteration(off: OffloadContext) -> None:
     assert not second.warmup and second.d2h_bytes > 0
 
 
-def test_no_grad_forward_does_not_become_the_warmup() -> None:
+@pytest.mark.parametrize(
+    "begin_under_no_grad", [True, False], ids=["begin-under-no-grad", "begin-under-grad"]
+)
+def test_no_grad_forward_does_not_become_the_warmup(begin_under_no_grad: bool) -> None:
     off, net = make_offloader(BOTH), build_net()
-    _no_grad_pass(off, net, begin_under_no_grad=True)
-    run_schedule(off, net, "F0 B0", iteration=0)
-    run_schedule(off, net, "F0 B0", iteration=1)
-    _assert_warmup_is_first_training_iteration(off)
-
-
-def test_no_grad_forward_after_grad_mode_begin_does_not_become_the_warmup() -> None:
-    off, net = make_offloader(BOTH), build_net()
-    _no_grad_pass(off, net, begin_under_no_grad=False)
+    _no_grad_pass(off, net, begin_under_no_grad=begin_under_no_grad)
     run_schedule(off, net, "F0 B0", iteration=0)
     run_schedule(off, net, "F0 B0", iteration=1)
     _assert_warmup_is_first_training_iteration(off)

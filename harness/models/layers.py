@@ -19,6 +19,7 @@ explicit generator: constructors touch no RNG.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -217,6 +218,23 @@ class SwiGLU(nn.Module):
         return F.linear(F.silu(gate_BTF) * up_BTF, self.fc2)
 
 
+def normed_residual(
+    off: Offloader,
+    name: str,
+    layer: int,
+    x_BTD: torch.Tensor,
+    norm: nn.Module,
+    body: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``x + body(norm(x))`` with the norm in group ``name`` (attn_norm, mlp_norm): the group
+    spans the whole block, commits after the residual add and releases the residual input."""
+    group = off.group(name, x_BTD, layer=layer)
+    with group:
+        h_BTD = norm(group.input)
+    out_BTD = x_BTD + body(h_BTD)
+    return group.commit(out_BTD, release=(x_BTD,))
+
+
 class MLALayer(nn.Module):
     """``+``: input norm (group attn_norm, spanning the whole attention block) + MLA."""
 
@@ -226,12 +244,9 @@ class MLALayer(nn.Module):
         self.attention = MLASelfAttention(spec)
 
     def forward(self, x_BTD: torch.Tensor, off: Offloader, layer: int) -> torch.Tensor:
-        norm = off.group("attn_norm", x_BTD, layer=layer)
-        with norm:
-            h_BTD = self.input_norm(norm.input)
-        out_BTD = x_BTD + self.attention(h_BTD, off, layer)
-        # Committed after the residual add; releases the residual input.
-        return norm.commit(out_BTD, release=(x_BTD,))
+        return normed_residual(
+            off, "attn_norm", layer, x_BTD, self.input_norm, lambda h: self.attention(h, off, layer)
+        )
 
 
 class AttentionLayer(nn.Module):

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.models.layers import RMSNorm
+from harness.models.layers import RMSNorm, normed_residual
 from harness.offload.protocol import Offloader
 from harness.spec import ModelSpec
 
@@ -139,8 +139,6 @@ class MoELayer(nn.Module):
         self.moe = MoE(spec)
 
     def forward(self, x_BTD: torch.Tensor, off: Offloader, layer: int) -> torch.Tensor:
-        norm = off.group("mlp_norm", x_BTD, layer=layer)
-        with norm:
-            h_BTD = self.pre_mlp_norm(norm.input)
-        out_BTD = x_BTD + self.moe(h_BTD, off, layer)
-        return norm.commit(out_BTD, release=(x_BTD,))
+        return normed_residual(
+            off, "mlp_norm", layer, x_BTD, self.pre_mlp_norm, lambda h: self.moe(h, off, layer)
+        )
