@@ -30,6 +30,7 @@ On CPU the same bookkeeping runs with synchronous copies into separate host buff
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -679,7 +680,10 @@ def _normalize(device: torch.device) -> torch.device:
 
 
 def _is_fake_or_functional(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return isinstance(tensor, FakeTensor | FunctionalTensor)
+    # A FakeTensor/FunctionalTensor can only exist once its module is loaded; looking the
+    # classes up instead of importing them keeps this hot path free of heavy imports.
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    functional = sys.modules.get("torch._subclasses.functional_tensor")
+    return (fake is not None and isinstance(tensor, fake.FakeTensor)) or (
+        functional is not None and isinstance(tensor, functional.FunctionalTensor)
+    )
