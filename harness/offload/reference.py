@@ -122,6 +122,7 @@ class _Group:
 
     def _reset(self) -> None:
         self.entries: dict[int, torch.Tensor | _HostCopy] = {}
+        self.slots = 0  # slots handed out (entries shrink as backward pops them)
         self.on_device: set[int] = set()  # slots still holding the saved tensor itself
         self.status = _OPEN
         self.iter_decision = "open"
@@ -323,9 +324,7 @@ class OffloadContext:
 
     def end_iteration(self) -> None:
         active = [c for c in self._chunks.values() if c.active]
-        leaked = sum(
-            1 for c in active for g in c.groups for e in g.entries.values() if e is not None
-        )
+        leaked = sum(len(g.entries) for c in active for g in c.groups)
         if not self.warmup:
             for chunk in active:
                 if chunk.cursor != len(chunk.groups):
@@ -393,7 +392,8 @@ class OffloadContext:
     def _pack(self, group: _Group, tensor: torch.Tensor) -> Any:
         if not self._trackable(tensor):
             return tensor
-        slot = len(group.entries)
+        slot = group.slots
+        group.slots += 1
         group.entries[slot] = tensor
         group.on_device.add(slot)
         self._hold(tensor, +1)
