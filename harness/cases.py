@@ -20,15 +20,7 @@ from typing import Any
 from harness.offload.config import OffloadConfig
 from harness.spec import ModelSpec, RunSpec, preset
 
-FAMILIES: dict[str, str] = {
-    "hybrid": "hybrid",
-    "moe": "moe",
-    "moe-fused": "moe",
-    "hybrid-moe": "hybrid-moe",
-}
-"""Case family -> preset stem (the preset is ``<stem>-tiny`` or ``<stem>-small``)."""
-
-_PRESETS = {
+_PRESETS = {  # (family, size) -> preset name
     ("hybrid", "tiny"): "hybrid-tiny",
     ("hybrid", "small"): "hybrid-small",
     ("moe", "tiny"): "moe-tiny",
@@ -38,6 +30,8 @@ _PRESETS = {
     ("hybrid-moe", "tiny"): "hybrid-moe",
     ("hybrid-moe", "small"): "hybrid-moe-small",
 }
+FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(family for family, _ in _PRESETS))
+"""Case families, in table order."""
 MODEL_SIZES = ("tiny", "small")
 
 ATTENTION_NAMES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj")
@@ -73,7 +67,7 @@ class Case:
     """One row of the case table."""
 
     family: str
-    """Model family (key of ``FAMILIES``)."""
+    """Model family (one of ``FAMILIES``)."""
     offload: tuple[str, ...]
     """Selected group names (already narrowed to what the model opens)."""
     schedule: str = "sequential"

@@ -64,13 +64,6 @@ class HostBufferPool:
         self.stats.current_in_use -= 1
         self._free[(tuple(buffer.shape), buffer.dtype)].append((buffer, pending_read))
 
-    @property
-    def pinned_bytes(self) -> int:
-        """Bytes held by free buffers (what the pool keeps between iterations)."""
-        return sum(
-            buf.numel() * buf.element_size() for free in self._free.values() for buf, _ in free
-        )
-
     def clear(self) -> None:
         """Drop every buffer."""
         self._free.clear()

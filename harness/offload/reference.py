@@ -262,7 +262,6 @@ class OffloadContext:
         self.summary_bytes: dict[str, int] = {}
         self._chunks: dict[int, _Chunk] = {}  # by microbatch, in forward order
         self._backward_order: list[_Chunk] = []
-        self._backward_started: list[_Chunk] = []  # this iteration
         self._current: _Chunk | None = None
         self._microbatch: int | None = None
         self._device_refs: dict[int, int] = {}  # storage address -> saved tensors on device
@@ -355,7 +354,6 @@ class OffloadContext:
             chunk._reset()
         self.pool.stats.current_in_use = 0
         self._pending_d2h.clear()
-        self._backward_started = []
         self._current = None
         self._microbatch = None
         self._device_refs.clear()
@@ -527,7 +525,6 @@ class OffloadContext:
         chunk.backward_started = True
         if self._current is not None:
             self._current.forward_done = True  # backward never starts mid-forward
-        self._backward_started.append(chunk)
         if self.warmup:
             self._backward_order.append(chunk)
 
