@@ -5,5 +5,6 @@ pytest_plugins = [
     "fixtures.dist",
     "fixtures.models",
     "fixtures.cases",
+    "fixtures.report",
     "fixtures.properties",
 ]

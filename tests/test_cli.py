@@ -26,7 +26,7 @@ pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGINS = ("-p", "fixtures.options", "-p", "fixtures.dist", "-p", "fixtures.models")
-PLUGINS += ("-p", "fixtures.cases")
+PLUGINS += ("-p", "fixtures.cases", "-p", "fixtures.report")
 
 
 # ---------------------------------------------------------------------------- a broken backend
