@@ -86,14 +86,20 @@ def ulps(expected: float, got: float, dtype: torch.dtype) -> int:
     return abs(ordered(got) - ordered(expected))
 
 
-def loss_table(expected: torch.Tensor, got: torch.Tensor) -> str:
+_SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def loss_table(
+    expected: torch.Tensor, got: torch.Tensor, labels: tuple[str, str] = ("baseline", "offload")
+) -> str:
     """Per step x microbatch: both losses, abs and rel difference, and the distance in ULPs of
     the dtype the losses were computed in (fp32: the loss is reduced in fp32 in both
     precisions, so bf16 ULPs would round real differences away)."""
     dtype = expected.dtype
+    ulps_label = f"ulps {_SHORT_DTYPE.get(dtype, str(dtype))}"
     lines = [
-        f"{'step':>4} {'mb':>3} {'baseline':>22} {'offload':>22} {'abs diff':>10} "
-        f"{'rel diff':>10} {'ulps':>8}"
+        f"{'step':>4} {'mb':>3} {labels[0]:>22} {labels[1]:>22} {'abs diff':>10} "
+        f"{'rel diff':>10} {ulps_label:>9}"
     ]
     steps, microbatches = expected.shape
     for step in range(steps):
@@ -103,7 +109,7 @@ def loss_table(expected: torch.Tensor, got: torch.Tensor) -> str:
             rel = diff / abs(e) if e else float("inf") if diff else 0.0
             lines.append(
                 f"{step:>4} {mb:>3} {e!r:>22} {g!r:>22} {diff:>10.3e} {rel:>10.3e} "
-                f"{ulps(e, g, dtype):>8}"
+                f"{ulps(e, g, dtype):>9}"
             )
     return "\n".join(lines)
 
