@@ -299,18 +299,29 @@ class OffloadContext:
         return chunk
 
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> _Handle | PassThroughGroup:
-        if not self.enabled or name not in self.config.selected or not torch.is_grad_enabled():
+        if not self._opens(name):
             return PassThroughGroup(x)
         chunk = self._activate()
         if chunk is None:
             return PassThroughGroup(x)
         if self.warmup:
-            group = _Group(chunk, name, layer, self.cuda)
-            chunk.groups.append(group)
+            group: _Group | None = self._new_group(chunk, name, layer)
         else:
             group = self._expect_group(chunk, name, layer)
+        if group is None:
+            return PassThroughGroup(x)
         group._reset()
         return _Handle(self, group, x)
+
+    def _opens(self, name: str) -> bool:
+        """Whether a start of group ``name`` opens a group (selected, enabled, grad mode on)."""
+        return self.enabled and name in self.config.selected and torch.is_grad_enabled()
+
+    def _new_group(self, chunk: _Chunk, name: str, layer: int) -> _Group | None:
+        """Warmup: record a new group occurrence in ``chunk`` (start order)."""
+        group = _Group(chunk, name, layer, self.cuda)
+        chunk.groups.append(group)
+        return group
 
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
         for tensor in tensors:
@@ -373,7 +384,7 @@ class OffloadContext:
         self._marked.clear()
 
     # ------------------------------------------------------------------------- forward side
-    def _expect_group(self, chunk: _Chunk, name: str, layer: int) -> _Group:
+    def _expect_group(self, chunk: _Chunk, name: str, layer: int) -> _Group | None:
         if chunk.cursor < len(chunk.groups):
             group = chunk.groups[chunk.cursor]
             if (group.name, group.layer) == (name, layer):
@@ -477,18 +488,29 @@ class OffloadContext:
             group.pool_hits += hit
             group.pool_misses += not hit
         else:
-            buffer = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=self.cuda)
-        buffer.copy_(src, non_blocking=self.cuda)
-        if self.cuda:
-            # The source may be freed as soon as we drop it; its memory must not be reused
-            # before this copy has read it.
-            tensor.record_stream(self._d2h)
-        nbytes = buffer.numel() * buffer.element_size()
-        group.counts["d2h_copies"] += 1
-        group.counts["d2h_bytes"] += nbytes
+            buffer = self._new_host_buffer(src.shape, src.dtype)
+        self._d2h_copy(group, buffer, src)
+        # The source may be freed as soon as we drop it; its memory must not be reused before
+        # this copy has read it.
+        self._protect_source(tensor)
         if self.warmup:
-            group.warmup_bytes += nbytes
+            group.warmup_bytes += buffer.numel() * buffer.element_size()
         return _HostCopy(buffer, view, group.use_pool)
+
+    def _new_host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An unpooled host buffer (pinned on CUDA)."""
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.cuda)
+
+    def _d2h_copy(self, group: _Group, buffer: torch.Tensor, src: torch.Tensor) -> None:
+        """One D2H copy into ``buffer``, counted in the group's log."""
+        buffer.copy_(src, non_blocking=self.cuda)
+        group.counts["d2h_copies"] += 1
+        group.counts["d2h_bytes"] += buffer.numel() * buffer.element_size()
+
+    def _protect_source(self, tensor: torch.Tensor) -> None:
+        """Keep ``tensor``'s memory from reuse until the D2H stream's pending work is done."""
+        if self.cuda:
+            tensor.record_stream(self._d2h)
 
     def _release(self, group: _Group, release: tuple[torch.Tensor, ...]) -> None:
         for tensor in release:
@@ -502,8 +524,7 @@ class OffloadContext:
                 # keeps) still reads this storage: freeing it would corrupt backward.
                 group.release_skipped += 1
                 continue
-            if self.cuda:
-                tensor.record_stream(self._d2h)
+            self._protect_source(tensor)
             storage.resize_(0)
             group.released += 1
 
@@ -549,7 +570,7 @@ class OffloadContext:
         group = packed.group
         self._backward_begins(group.chunk)
         if group.status == _OFFLOADED:
-            self._reload(group)  # nobody prefetched it: reload now, still after its D2H
+            self._reload(group, inline=True)  # nobody prefetched it: reload now, after its D2H
         self._wait_reload(group)
         try:
             value = group.entries.pop(packed.slot)
@@ -570,14 +591,15 @@ class OffloadContext:
                 torch.cuda.current_stream(self.device).wait_event(group.reload_event)
             group.waited = True
 
-    def _reload(self, group: _Group) -> None:
+    def _reload(self, group: _Group, *, inline: bool = False) -> None:
+        """Bring ``group`` back: prefetched at the end of a group's backward, or ``inline``
+        when backward unpacks a tensor of a group nobody prefetched."""
         if self.cuda:
             # Reloaded tensors are allocated on the H2D stream: order this allocation after all
-            # compute so far (which may still read memory the allocator is about to hand out),
-            # and the copies after the D2H that filled the host buffers.
+            # compute so far (which may still read memory the allocator is about to hand out).
             self._h2d.wait_stream(torch.cuda.current_stream(self.device))
-            self._h2d.wait_event(group.d2h_event)
-        returned: list[torch.Tensor] = []
+        self._await_d2h(group, inline=inline)
+        returned: dict[int, torch.Tensor] = {}
         with (
             self._on_stream(self._h2d, self.delays.h2d),
             _profiler_range("h2d", group),
@@ -586,23 +608,37 @@ class OffloadContext:
                 if isinstance(entry, _HostCopy):
                     group.entries[slot] = self._copy_in(group, entry)
                     if entry.pooled:
-                        returned.append(entry.buffer)
+                        returned[id(entry.buffer)] = entry.buffer
             if self.cuda:
                 group.reload_event.record(self._h2d)
-        for buffer in returned:
-            self.pool.release(buffer, group.reload_event)
+        for buffer in returned.values():
+            self._return_buffer(group, buffer)
         group.status = _RELOADING
+
+    def _await_d2h(self, group: _Group, *, inline: bool) -> None:
+        """Order the group's H2D copies after the D2H that filled its host buffers (both
+        paths: Megatron #7398's inline path has no such edge)."""
+        if self.cuda:
+            self._h2d.wait_event(group.d2h_event)
+
+    def _return_buffer(self, group: _Group, buffer: torch.Tensor) -> None:
+        """Give a pooled buffer back with the event of the H2D that still reads it."""
+        self.pool.release(buffer, group.reload_event)
 
     def _copy_in(self, group: _Group, entry: _HostCopy) -> torch.Tensor:
         buffer = entry.buffer
         restored = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device)
-        restored.copy_(buffer, non_blocking=self.cuda)
-        group.counts["h2d_copies"] += 1
-        group.counts["h2d_bytes"] += buffer.numel() * buffer.element_size()
+        self._h2d_copy(group, restored, buffer)
         if entry.view is not None:
             size, stride, offset = entry.view
             restored = restored.as_strided(size, stride, offset)
         return restored
+
+    def _h2d_copy(self, group: _Group, restored: torch.Tensor, buffer: torch.Tensor) -> None:
+        """One H2D copy from ``buffer``, counted in the group's log."""
+        restored.copy_(buffer, non_blocking=self.cuda)
+        group.counts["h2d_copies"] += 1
+        group.counts["h2d_bytes"] += buffer.numel() * buffer.element_size()
 
     # ------------------------------------------------------------------------------ helpers
     @contextlib.contextmanager
@@ -625,15 +661,19 @@ class OffloadContext:
                 last[group.name] = group
             for group in last.values():
                 group.last_of_name = True
-        self.summary_bytes = apply_post_warmup(
+        self.summary_bytes = self._apply_policies(forward, backward)
+        self.warmup = False
+        return dict(self.summary_bytes)
+
+    def _apply_policies(self, forward: list[_Chunk], backward: list[_Chunk]) -> dict[str, int]:
+        """Margin, delta and fraction over the warmup's chunks; the per-name summary."""
+        return apply_post_warmup(
             forward,
             backward,
             pp_rank=self.config.pp_rank,
             delta_bytes=self.config.delta_offload_bytes_across_pp_ranks,
             fraction=self.config.activation_offload_fraction,
         )
-        self.warmup = False
-        return dict(self.summary_bytes)
 
 
 def _profiler_range(direction: Direction, group: _Group) -> contextlib.AbstractContextManager[Any]:
