@@ -1,0 +1,93 @@
+"""The host-sync guard's plumbing, on CPU: every entry point of a backend runs inside a window
+labelled with step, microbatch and group, nothing else does, the wrapper changes no loss, and a
+sync reported inside a window (simulated here; real ones need CUDA) becomes a HostSyncError
+naming it. The detection itself is exercised on GPU by ``cases/test_sync.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from harness.offload.config import OffloadConfig
+from harness.offload.passthrough import NoOffload
+from harness.offload.reference import OffloadContext
+from harness.spec import RunSpec, preset
+from harness.syncguard import SYNC_MESSAGE, HostSyncError, SyncGuard, _record_explicit, run_guarded
+from harness.train import train
+
+SPEC = preset("hybrid-tiny")
+RUN = RunSpec(steps=2, microbatches=2, schedule="1f1b", precision="fp32")
+CONFIG = OffloadConfig(offload_modules=("core_attn", "attn_proj"), min_offloaded_tensor_size=64)
+PROBED = ("_pack", "_unpack", "_commit_forward", "_commit_backward", "_start_backward")
+
+
+class _Probe(OffloadContext):
+    """The reference, noting the guard's open window at each internal entry point; ``fault``
+    names one to raise from (with ``error``) or to report an explicit sync from."""
+
+    def __init__(self, guard: SyncGuard, fault: str | None = None, error: bool = True) -> None:
+        super().__init__(CONFIG, "cpu")
+        self.seen: list[tuple[str, int | None, str | None]] = []
+        for name in PROBED:
+            setattr(self, name, self._probe(name, getattr(self, name), guard, fault, error))
+
+    def _probe(self, name: str, fn: Any, guard: SyncGuard, fault: str | None, error: bool) -> Any:
+        def probed(*args: Any) -> Any:
+            self.seen.append((name, guard.step, guard.current))
+            if name == fault and guard.armed:
+                if error:
+                    raise RuntimeError(f"called a {SYNC_MESSAGE}")
+                _record_explicit("event synchronize (simulated)")
+            return fn(*args)
+
+        return probed
+
+
+def test_every_entry_point_is_inside_a_labelled_window() -> None:
+    guard = SyncGuard("cpu")
+    probe = _Probe(guard)
+    result = run_guarded(SPEC, RUN, probe, "cpu", guarded={1}, guard=guard)
+    assert not result.problems()
+    steady = [(name, where) for name, step, where in probe.seen if step == 1]
+    assert {name for name, _ in steady} == set(PROBED)
+    for name, where in steady:
+        assert where is not None and where.startswith("step 1, microbatch "), (name, where)
+        assert "group core_attn" in where or "group attn_proj" in where, (name, where)
+    assert all(where is None for _, step, where in probe.seen if step != 1)
+    for kind in ("start", "enter", "pack", "exit", "commit", "backward", "unpack", "end_iteration"):
+        assert result.windows[kind] > 0, kind
+    plain = train(SPEC, RUN, NoOffload(), "cpu")
+    assert result.losses is not None and torch.equal(plain.losses, result.losses)
+
+
+@pytest.mark.parametrize(
+    ("fault", "phase"),
+    [
+        ("_commit_forward", "commit"),
+        ("_pack", "pack"),
+        ("_unpack", "unpack"),
+        ("_commit_backward", "backward of the commit"),
+        ("_start_backward", "backward of the group start"),
+    ],
+)
+def test_a_sync_is_named_by_its_window(fault: str, phase: str) -> None:
+    _expect_named(fault, phase, error=True)
+
+
+@pytest.mark.parametrize(
+    ("fault", "phase"), [("_pack", "pack"), ("_commit_backward", "backward of the commit")]
+)
+def test_an_explicit_sync_is_named_by_its_window(fault: str, phase: str) -> None:
+    _expect_named(fault, phase, error=False)
+
+
+def _expect_named(fault: str, phase: str, *, error: bool) -> None:
+    guard = SyncGuard("cpu")
+    with pytest.raises(HostSyncError) as raised:
+        run_guarded(SPEC, RUN, _Probe(guard, fault, error), "cpu", guarded={1}, guard=guard)
+    message = str(raised.value)
+    assert message.startswith("step 1, microbatch "), message
+    assert f"): {phase}:" in message, message
+    assert guard.current is None and not guard.armed
