@@ -8,6 +8,11 @@ run asks for one.
 Matrix: families x applicable offload sets x schedules x max-inflight x precisions. ``full`` is
 all of it; ``default`` keeps one row per (family, offload set), cycling the other axes so every
 value appears, plus the seed's own case first.
+
+Sharding ``zero3`` rows (flat ZeRO-3 through FSDP2, bf16) follow the unsharded ones: ``default``
+has the seed's and one MoE row; ``full`` has one per (family, offload set) cycling schedule and
+max-inflight, plus the seed's and the MoE row again with ``min_ranks=2`` (real sharding only:
+they skip at world size 1).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 from harness.offload.config import OffloadConfig
 from harness.spec import ModelSpec, RunSpec, preset
+from harness.train import SHARDINGS
 
 _PRESETS = {  # (family, size) -> preset name
     ("hybrid", "tiny"): "hybrid-tiny",
@@ -82,6 +88,11 @@ class Case:
     """Allowed absolute loss difference; 0 means bitwise equality."""
     tolerance_reason: str = ""
     """Why a non-zero tolerance is needed, with its measured noise floor."""
+    sharding: str = "none"
+    """``none`` (every rank trains the whole model on the same data) or ``zero3`` (flat ZeRO-3
+    through FSDP2, each rank its own data shard; also runs at world size 1)."""
+    min_ranks: int = 1
+    """Fewest ranks (torchrun ``WORLD_SIZE``) the case needs; below it, it skips at collection."""
     custom_pattern: str | None = None
     """Replace the family preset's layer pattern (custom cases from the command line)."""
     description: str = ""
@@ -91,6 +102,12 @@ class Case:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown family {self.family!r}; known: {', '.join(FAMILIES)}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"unknown sharding {self.sharding!r}; known: {', '.join(SHARDINGS)}")
+        if isinstance(self.min_ranks, bool) or not isinstance(self.min_ranks, int):
+            raise ValueError(f"min_ranks must be an int >= 1, got {self.min_ranks!r}")
+        if self.min_ranks < 1:
+            raise ValueError(f"min_ranks must be an int >= 1, got {self.min_ranks!r}")
         if self.tolerance and not self.tolerance_reason:
             raise ValueError(f"case {self.name}: a non-zero tolerance needs a tolerance_reason")
         self.offload_config()  # validates names and rules
@@ -112,6 +129,10 @@ class Case:
             parts.append(f"fraction-{self.fraction:g}")
         if self.min_tensor_size != 1024:
             parts.append(f"min-{self.min_tensor_size}")
+        if self.sharding != "none":
+            parts.append(self.sharding)
+        if self.min_ranks != 1:
+            parts.append(f"ranks-{self.min_ranks}")
         return "_".join(parts)
 
     def model_spec(self, size: str) -> ModelSpec:
@@ -179,8 +200,45 @@ SEED_CASE = Case(
 )
 
 
+SEED_ZERO3_CASE = SEED_CASE.replace(
+    sharding="zero3", description="the seed under flat ZeRO-3 (FSDP2), each rank its own data"
+)
+MOE_ZERO3_CASE = Case(
+    family="hybrid-moe",
+    offload=("expert_fc1", "moe_act"),
+    schedule="1f1b",
+    precision="bf16",
+    max_inflight=None,
+    sharding="zero3",
+    description="MoE experts offloaded under flat ZeRO-3 (FSDP2)",
+)
+
+
+def zero3_rows(full: bool) -> list[Case]:
+    """The ZeRO-3 rows of a matrix (see the module docstring)."""
+    rows = [SEED_ZERO3_CASE, MOE_ZERO3_CASE]
+    if not full:
+        return rows
+    index = 0
+    for family in FAMILIES:
+        for _, names in applicable_sets(family):
+            row = Case(
+                family=family,
+                offload=names,
+                schedule=SCHEDULES_IN_MATRIX[index % 2],
+                precision="bf16",
+                max_inflight=INFLIGHT_VALUES[index % 3],
+                sharding="zero3",
+            )
+            index += 1
+            if row.name not in {r.name for r in rows}:
+                rows.append(row)
+    return rows + [row.replace(min_ranks=2) for row in (SEED_ZERO3_CASE, MOE_ZERO3_CASE)]
+
+
 def full_matrix() -> list[Case]:
-    """Every family x applicable set x schedule x max-inflight x precision."""
+    """Every family x applicable set x schedule x max-inflight x precision, then the ZeRO-3
+    rows."""
     rows = []
     for family in FAMILIES:
         for _, names in applicable_sets(family):
@@ -196,11 +254,12 @@ def full_matrix() -> list[Case]:
                         max_inflight=inflight,
                     )
                 )
-    return rows
+    return rows + zero3_rows(full=True)
 
 
 def default_matrix() -> list[Case]:
-    """The seed case, then one row per (family, offload set) cycling the other axes."""
+    """The seed case, then one row per (family, offload set) cycling the other axes, then the
+    seed's and one MoE row under ZeRO-3."""
     rows = [SEED_CASE]
     index = 0
     for family in FAMILIES:
@@ -215,7 +274,7 @@ def default_matrix() -> list[Case]:
             index += 1
             if row.name != SEED_CASE.name:
                 rows.append(row)
-    return rows
+    return rows + zero3_rows(full=False)
 
 
 MATRICES = {"default": default_matrix, "full": full_matrix}

@@ -177,10 +177,10 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     disabled run; the prediction from the hooks run's records."""
     start = time.perf_counter()
     spec, run, config = env.spec(case), case.run_spec(), case.offload_config()
-    kept = dict(keep_grads=True, keep_final_state=True)
+    kept = dict(keep_grads=True, keep_final_state=True, sharding=case.sharding)
     plain = train(spec, run, NoOffload(), env.device, **kept)
     recorder = RecordingOffloader(config, env.device)
-    hooks = train(spec, run, recorder, env.device)
+    hooks = train(spec, run, recorder, env.device, sharding=case.sharding)
     observations = recorder.iterations[0]
     _, steady = predict(observations, config, schedule_order(run.schedule, run.microbatches))
     sink: list[TransferCounts] = []
@@ -203,6 +203,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             offloader,
             env.device,
             hooks=profile_steps(env.device, {0}, disabled),
+            sharding=case.sharding,
         )
     result = CaseRun(
         case=case,
@@ -245,7 +246,8 @@ def _first_grad_difference(a: TrainResult, b: TrainResult) -> tuple[int, str, fl
 def record_observations(case: Case, env: Environment) -> list[GroupObservation]:
     """What each group saves, from a one-step hooks run."""
     recorder = RecordingOffloader(case.offload_config(), env.device)
-    train(env.spec(case), case.run_spec().replace(steps=1), recorder, env.device)
+    one_step = case.run_spec().replace(steps=1)
+    train(env.spec(case), one_step, recorder, env.device, sharding=case.sharding)
     return recorder.iterations[0]
 
 
@@ -315,9 +317,10 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
         for o in observations
         if steady[(o.microbatch, o.layer, o.name)].offloaded
     )
-    base = _memory_run(spec, run, NoOffload(), env.device, order[last_forward][1])
+    last_mb = order[last_forward][1]
+    base = _memory_run(spec, run, NoOffload(), env.device, last_mb, case.sharding)
     with _closing(env.offloader(config)) as offloader:
-        off = _memory_run(spec, run, offloader, env.device, order[last_forward][1])
+        off = _memory_run(spec, run, offloader, env.device, last_mb, case.sharding)
     return MemoryResult(
         case=case,
         predicted_drop=sum(freed.values()),
@@ -371,7 +374,12 @@ def _settled(device: torch.device) -> int:
 
 
 def _memory_run(
-    spec: ModelSpec, run: RunSpec, offloader: Offloader, device: torch.device, last_mb: int
+    spec: ModelSpec,
+    run: RunSpec,
+    offloader: Offloader,
+    device: torch.device,
+    last_mb: int,
+    sharding: str,
 ) -> _MemoryReading:
     seen: dict[str, Any] = {}
     last = run.steps - 1
@@ -399,5 +407,5 @@ def _memory_run(
             seen["peak"] = torch.cuda.max_memory_allocated(device) - floor
 
     hooks = RunHooks(step_context=step_context, after_forward=after_forward)
-    train(spec, run, offloader, device, hooks=hooks)
+    train(spec, run, offloader, device, hooks=hooks, sharding=sharding)
     return _MemoryReading(**seen)

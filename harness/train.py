@@ -8,6 +8,15 @@ Precision ``bf16`` is the seed test's mode: the model's parameters, activations 
 bf16; an fp32 master copy of every parameter lives in the optimizer, takes the bf16 gradients
 cast up, and is copied back (rounded) after each step.
 
+Sharding ``zero3`` is flat ZeRO-3 through PyTorch's FSDP2 (``fully_shard`` on every layer, then
+on the root) over the default process group (a single-rank one on a ``HashStore`` when the
+process is not under torchrun). The parameters stay fp32 and sharded - they are the main
+weights of one optimizer; in ``bf16`` FSDP2 all-gathers them cast to bf16 for compute and
+reduce-scatters the gradients in fp32 (``MixedPrecisionPolicy``); buffers are cast to the
+compute dtype as in the unsharded mode. Each rank trains on its own data shard
+(``make_batches(..., shard=rank)``), so losses, gradients and weights are per rank; gradients
+kept and final weights are the rank's local shards.
+
 Per-microbatch losses are written into a device tensor and fetched once at the end, so a
 profiled step has no loss-copy traffic.
 """
@@ -21,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness import distributed
 from harness.models.hybrid import HybridModel, build_model, loss_fn, make_batches
 from harness.offload.protocol import IterationLog, Offloader
 from harness.spec import ModelSpec, RunSpec
@@ -29,6 +39,7 @@ from harness.spec import ModelSpec, RunSpec
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SHARDINGS = ("none", "zero3")
 
 
 def schedule_order(schedule: str, microbatches: int) -> list[tuple[str, int]]:
@@ -92,12 +103,39 @@ def prepare_model(spec: ModelSpec, run: RunSpec, device: torch.device) -> Hybrid
     return model.to(device=device, dtype=DTYPES[run.precision])
 
 
-class _Optimizer:
-    """The optimizer over fp32 weights: the model's own (fp32) or master copies (bf16)."""
+def shard_model(spec: ModelSpec, run: RunSpec, device: torch.device) -> HybridModel:
+    """Build from the run's seed (fp32, identical on every rank), then shard it with FSDP2:
+    each layer, then the root (embedding, final norm, head)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    def __init__(self, model: HybridModel, run: RunSpec) -> None:
+    distributed.ensure_process_group(device)
+    model = build_model(spec, torch.Generator().manual_seed(run.seed)).to(device)
+    compute = DTYPES[run.precision]
+    for module in model.modules():  # buffers (RoPE tables, masks) in the compute dtype
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buffer.to(compute))
+    policy = MixedPrecisionPolicy(
+        param_dtype=compute if compute != torch.float32 else None, reduce_dtype=torch.float32
+    )
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+class _Optimizer:
+    """The optimizer over fp32 weights: the model's own (fp32, or sharded fp32 under ZeRO-3) or
+    master copies (bf16 unsharded)."""
+
+    def __init__(self, model: HybridModel, run: RunSpec, *, master_copies: bool) -> None:
         self.model_params = [p for p in model.parameters()]
-        if run.precision == "bf16":
+        if master_copies:
             self.main = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
         else:
             self.main = self.model_params
@@ -130,14 +168,24 @@ def train(
     hooks: RunHooks | None = None,
     keep_grads: bool = False,
     keep_final_state: bool = False,
+    sharding: str = "none",
 ) -> TrainResult:
     """Train ``run.steps`` steps of ``spec`` with ``offloader``; see the module docstring."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"unknown sharding {sharding!r}; known: {', '.join(SHARDINGS)}")
     device = torch.device(device)
     hooks = hooks or RunHooks()
     with deterministic(device):
-        model = prepare_model(spec, run, device)
-        optimizer = _Optimizer(model, run)
-        data = make_batches(spec, seed=run.seed, steps=run.steps, microbatches=run.microbatches)
+        if sharding == "zero3":
+            model = shard_model(spec, run, device)
+            optimizer = _Optimizer(model, run, master_copies=False)
+        else:
+            model = prepare_model(spec, run, device)
+            optimizer = _Optimizer(model, run, master_copies=run.precision == "bf16")
+        shard = distributed.rank() if sharding == "zero3" else 0
+        data = make_batches(
+            spec, seed=run.seed, steps=run.steps, microbatches=run.microbatches, shard=shard
+        )
         data = data.to(device)
         losses = torch.zeros(run.steps, run.microbatches, device=device)
         order = schedule_order(run.schedule, run.microbatches)
@@ -147,10 +195,14 @@ def train(
             with context:
                 _run_step(model, offloader, data[step], losses[step], order, run, step, hooks)
                 if keep_grads:
-                    grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+                    grads.append(
+                        {n: _local(p.grad).detach().clone() for n, p in model.named_parameters()}
+                    )
                 optimizer.step()
         state = (
-            {n: p.detach().cpu() for n, p in model.named_parameters()} if keep_final_state else {}
+            {n: _local(p).detach().cpu() for n, p in model.named_parameters()}
+            if keep_final_state
+            else {}
         )
         return TrainResult(
             losses=losses.cpu(), logs=offloader.iteration_logs(), grads=grads, final_state=state

@@ -26,6 +26,8 @@ LAYER_CLASSES: dict[str, type[nn.Module]] = {
 }
 
 INIT_STD = 0.02
+DATA_SHARD_STRIDE = 7_919 * 1_000_003
+"""Generator-seed distance between data shards (larger than any (seed, step, mb) offset)."""
 
 
 class HybridModel(nn.Module):
@@ -38,15 +40,29 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(LAYER_CLASSES[symbol](spec) for symbol in spec.layers)
         self.final_norm = RMSNorm(spec.hidden_size)
         self.head = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size))
+        for layer in self.layers:
+            layer.register_forward_pre_hook(_mark_layer_parameters)
 
     def forward(self, tokens_BT: torch.Tensor, off: Offloader) -> torch.Tensor:
         """Logits [B, T, V] (Megatron marks parameters not-offloadable on the first forward;
-        marking is idempotent, so it is done on every forward)."""
-        off.mark_not_offloadable(*self.parameters(), *self.buffers())
+        marking is idempotent, so it is done on every forward).
+
+        Each layer marks its own parameters in a forward pre-hook: under FSDP2 a layer's
+        unsharded parameters exist only from its own pre-forward hook on (FSDP2 prepends its
+        hook, so ours runs after the all-gather), and the sharded ones outside are DTensors
+        with no storage of their own."""
+        root = [p for name, p in self.named_parameters() if not name.startswith("layers.")]
+        off.mark_not_offloadable(*root, *self.buffers())
         x_BTD = F.embedding(tokens_BT, self.embedding)
         for index, layer in enumerate(self.layers):
             x_BTD = layer(x_BTD, off, index)
         return F.linear(self.final_norm(x_BTD), self.head)
+
+
+def _mark_layer_parameters(layer: nn.Module, args: tuple[object, ...]) -> None:
+    """Forward pre-hook of a layer (called as ``layer(x, offloader, index)``)."""
+    off: Offloader = args[1]  # type: ignore[assignment]
+    off.mark_not_offloadable(*layer.parameters())
 
 
 def init_weights(model: nn.Module, generator: torch.Generator) -> None:
@@ -73,8 +89,11 @@ def loss_fn(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
 
 
-def make_batches(spec: ModelSpec, *, seed: int, steps: int, microbatches: int) -> torch.Tensor:
-    """Token sequences [steps, microbatches, B, T + 1], fixed per (seed, step, microbatch).
+def make_batches(
+    spec: ModelSpec, *, seed: int, steps: int, microbatches: int, shard: int = 0
+) -> torch.Tensor:
+    """Token sequences [steps, microbatches, B, T + 1], fixed per (seed, shard, step,
+    microbatch); ``shard`` selects a data-parallel rank's own samples of the same language.
 
     Each sequence mostly follows a fixed random successor table (90%) with random jumps, so the
     model has something to learn and the loss falls. Inputs are ``[..., :-1]``, targets
@@ -86,7 +105,8 @@ def make_batches(spec: ModelSpec, *, seed: int, steps: int, microbatches: int) -
     out = torch.empty(steps, microbatches, B, T + 1, dtype=torch.long)
     for step in range(steps):
         for mb in range(microbatches):
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + mb + 1)
+            index = seed * 1_000_003 + step * 1_009 + mb + 1
+            gen = torch.Generator().manual_seed(index + shard * DATA_SHARD_STRIDE)
             jumps = torch.randint(V, (B, T + 1), generator=gen)
             follow = torch.rand((B, T + 1), generator=gen) < 0.9
             seq = out[step, mb]

@@ -1,0 +1,144 @@
+"""Process-group helpers that are no-ops in a single process.
+
+Everything here works with or without a default process group: without one the world is a
+single rank, ``broadcast_object`` is the identity and ``all_gather_object`` wraps its argument
+in a list. Case verdicts go through ``collective_problems`` so that every rank raises the same
+assertion (one failing rank must never leave the others waiting in the next collective).
+
+``ensure_process_group`` starts a single-rank group on a ``HashStore`` (no port, no file) for
+runs that need one in a plain process - FSDP2 needs a group even at world size 1. Groups started
+here are destroyed by ``shutdown`` (called at the end of a pytest session, and at exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+_started_here: list[bool] = []  # a group this module started (destroyed by ``shutdown``)
+
+
+def initialized() -> bool:
+    """Whether a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if initialized() else 0
+
+
+def world_size() -> int:
+    """Number of ranks (1 without a process group)."""
+    return dist.get_world_size() if initialized() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for without a group)."""
+    if world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """``src``'s ``obj`` on every rank (picklable objects; identity without a group)."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: T) -> list[T]:
+    """Every rank's ``obj`` in rank order (``[obj]`` without a group)."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def collective_problems(problems: list[str]) -> list[str]:
+    """Every rank's problems combined, the same list on every rank.
+
+    At world size > 1 each line is prefixed ``rank R: `` (a multi-line problem keeps its
+    continuation lines under the same prefix); at world size 1 the list is returned unchanged.
+    Assert on the result (``assert not combined, "\\n".join(combined)``) so every rank raises
+    the same message, naming each failing rank and its first divergence.
+    """
+    if world_size() == 1:
+        return list(problems)
+    gathered = all_gather_object([str(p) for p in problems])
+    return [
+        "\n".join(f"rank {r}: {line}" for line in problem.splitlines() or [""])
+        for r, rank_problems in enumerate(gathered)
+        for problem in rank_problems
+    ]
+
+
+def backend_for(device: torch.device) -> str:
+    """``nccl`` for CUDA devices, ``gloo`` otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_from_env(device: torch.device, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> bool:
+    """Start the default group from torchrun's environment (``env://``) when ``WORLD_SIZE`` > 1
+    and no group exists yet; returns whether it started one."""
+    if initialized() or env_int("WORLD_SIZE", 1) <= 1:
+        return False
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device  # binds NCCL to this rank's GPU (eager init)
+    dist.init_process_group(backend=backend_for(device), timeout=timeout, **kwargs)
+    _mark_started()
+    return True
+
+
+def ensure_process_group(
+    device: torch.device, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+) -> None:
+    """A default group for ``device``'s backend: the existing one, or a single-rank group on an
+    in-memory ``HashStore`` (no port, no file) when this process is not under torchrun."""
+    if initialized():
+        return
+    if env_int("WORLD_SIZE", 1) > 1:
+        raise RuntimeError(
+            "WORLD_SIZE > 1 but no process group is initialised; start it with "
+            "harness.distributed.init_from_env first"
+        )
+    dist.init_process_group(
+        backend=backend_for(device), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+    )
+    _mark_started()
+
+
+def _mark_started() -> None:
+    if not _started_here:
+        atexit.register(shutdown)
+    _started_here[:] = [True]
+
+
+def shutdown() -> None:
+    """Destroy the default group if this module started it."""
+    if _started_here and _started_here[0] and initialized():
+        dist.destroy_process_group()
+    _started_here[:] = [False]
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer environment variable (``default`` when unset); a one-line error otherwise."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an int") from None
