@@ -8,6 +8,7 @@ import pytest
 
 from harness.cases import Case
 from harness.checks import equivalence_problems, leak_problems
+from harness.distributed import collective_problems
 from harness.execute import CaseRun, run_case
 from harness.report import case_record
 
@@ -15,7 +16,7 @@ from harness.report import case_record
 def test_loss_equivalence(case: Case, case_result, record_result) -> None:
     res: CaseRun = case_result(run_case, case)
     record_result(case.name, case_record(res))
-    problems = equivalence_problems(case, res)
+    problems = collective_problems(equivalence_problems(case, res))
     assert not problems, "\n".join(problems)
 
 
@@ -24,5 +25,5 @@ def test_no_leaks(case: Case, case_result) -> None:
     res: CaseRun = case_result(run_case, case)
     if not res.offload.logs:
         pytest.skip("the backend under test keeps no iteration log")
-    problems = leak_problems(case, res)
+    problems = collective_problems(leak_problems(case, res))
     assert not problems, "\n".join(problems)

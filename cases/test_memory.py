@@ -8,6 +8,7 @@ import pytest
 
 from harness.cases import Case
 from harness.checks import memory_problems
+from harness.distributed import collective_problems
 from harness.execute import MemoryResult, run_memory
 from harness.report import memory_record
 
@@ -16,5 +17,5 @@ from harness.report import memory_record
 def test_memory_after_forward(case: Case, case_result, record_result) -> None:
     res: MemoryResult = case_result(run_memory, case)
     record_result(case.name, memory_record(res))
-    problems = memory_problems(res)
+    problems = collective_problems(memory_problems(res))
     assert not problems, "\n".join(problems)
