@@ -28,6 +28,32 @@ GroupKey = tuple[int, int, str]  # (microbatch, layer, name)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Semantics:
+    """The rules that differ between offloader versions; a backend may declare its own as a
+    ``semantics`` attribute of its factory (default: Megatron-Core main, the reference's)."""
+
+    view_copy: str = "coverage"
+    """``coverage``: a non-contiguous view covering >= 50% of its storage is copied as the whole
+    storage (Megatron-Core main); ``gather``: every non-contiguous tensor is gathered
+    (``.contiguous()``) and copied alone (megatron-core 0.19)."""
+    skip: str = "storage"
+    """``storage``: tensors sharing a storage with a parameter or a marked tensor stay;
+    ``object``: only ``Parameter`` objects and tensors themselves marked stay (Megatron's
+    attribute check), so a view of a parameter saved by autograd is offloaded."""
+
+    def __post_init__(self) -> None:
+        if self.view_copy not in ("coverage", "gather"):
+            raise ValueError(
+                f"Semantics.view_copy must be coverage or gather, got {self.view_copy!r}"
+            )
+        if self.skip not in ("storage", "object"):
+            raise ValueError(f"Semantics.skip must be storage or object, got {self.skip!r}")
+
+
+MEGATRON_MAIN = Semantics()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Expected:
     """What one group occurrence must do in one iteration."""
 
@@ -44,10 +70,10 @@ class Expected:
         return self.decision == "offloaded"
 
 
-def copy_bytes(info: SavedInfo) -> int:
+def copy_bytes(info: SavedInfo, semantics: Semantics = MEGATRON_MAIN) -> int:
     """Bytes one offload of ``info`` copies (whole storage for a covering view)."""
     own = info.numel * info.itemsize
-    if info.contiguous:
+    if info.contiguous or semantics.view_copy == "gather":
         return own
     whole = info.storage_nbytes
     if whole % info.itemsize == 0 and 2 * own >= whole:
@@ -55,37 +81,43 @@ def copy_bytes(info: SavedInfo) -> int:
     return own
 
 
-def eligible(info: SavedInfo, config: OffloadConfig) -> bool:
+def eligible(info: SavedInfo, config: OffloadConfig, semantics: Semantics = MEGATRON_MAIN) -> bool:
     """Whether an offload of the group moves this saved tensor."""
-    tracked = info.on_device and not info.parameter
+    skipped = info.parameter if semantics.skip == "storage" else info.marked_itself
+    tracked = info.on_device and not skipped
     return tracked and info.numel > 0 and info.numel >= config.min_offloaded_tensor_size
 
 
-def _group_bytes(obs: GroupObservation, config: OffloadConfig) -> tuple[int, int]:
-    moved = [s for s in obs.saved if eligible(s, config)]
-    return len(moved), sum(copy_bytes(s) for s in moved)
+def _group_bytes(
+    obs: GroupObservation, config: OffloadConfig, semantics: Semantics
+) -> tuple[int, int]:
+    moved = [s for s in obs.saved if eligible(s, config, semantics)]
+    return len(moved), sum(copy_bytes(s, semantics) for s in moved)
 
 
-def _freed(obs: GroupObservation, config: OffloadConfig) -> frozenset[int]:
+def _freed(obs: GroupObservation, config: OffloadConfig, semantics: Semantics) -> frozenset[int]:
     """Storages whose memory an offload frees compared with no offload: those the group's moved
     saved tensors held, unless a saved tensor that stays on the device (too small) still uses
     the storage. A forced release frees only what autograd would otherwise keep, i.e. these
     same storages (a released tensor that nothing saves is freed with or without offloading)."""
-    kept = {s.storage_id for s in obs.saved if s.on_device and not eligible(s, config)}
-    moved = {s.storage_id for s in obs.saved if eligible(s, config)}
+    kept = {s.storage_id for s in obs.saved if s.on_device and not eligible(s, config, semantics)}
+    # A parameter's storage outlives any offload of a view of it.
+    moved = {s.storage_id for s in obs.saved if eligible(s, config, semantics) and not s.parameter}
     return frozenset(moved - kept)
 
 
-def redundant_reload_bytes(obs: GroupObservation, config: OffloadConfig) -> int:
+def redundant_reload_bytes(
+    obs: GroupObservation, config: OffloadConfig, semantics: Semantics = MEGATRON_MAIN
+) -> int:
     """Device bytes a reload of this group holds beyond the original tensors: every whole-storage
     copy of a storage that the group copies more than once comes back as its own storage
     (Megatron copies each saved tensor separately; it warns about such duplicates)."""
     whole: dict[int, list[int]] = {}
     for info in obs.saved:
         if (
-            eligible(info, config)
+            eligible(info, config, semantics)
             and not info.contiguous
-            and copy_bytes(info) == info.storage_nbytes
+            and copy_bytes(info, semantics) == info.storage_nbytes
         ):
             whole.setdefault(info.storage_id, []).append(info.storage_nbytes)
     return sum(sum(sizes[1:]) for sizes in whole.values())
@@ -95,17 +127,22 @@ def predict(
     observations: Sequence[GroupObservation],
     config: OffloadConfig,
     order: Sequence[tuple[str, int]],
+    semantics: Semantics = MEGATRON_MAIN,
 ) -> tuple[dict[GroupKey, Expected], dict[GroupKey, Expected]]:
     """(warmup, steady) expectations per group occurrence for one iteration's observations.
 
-    ``order`` is the schedule's ("F"|"B", microbatch) sequence (``harness.train.schedule_order``).
+    ``order`` is the schedule's ("F"|"B", microbatch) sequence (``harness.train.schedule_order``);
+    ``semantics`` the version-dependent copy rules of the backend under test.
     """
     keys = [(o.microbatch, o.layer, o.name) for o in observations]
     by_key = dict(zip(keys, observations, strict=True))
-    moved = {k: _group_bytes(o, config) for k, o in by_key.items()}
+    moved = {k: _group_bytes(o, config, semantics) for k, o in by_key.items()}
     warmup = {
         k: Expected(
-            decision="offloaded", copies=c, bytes=b, freed_storages=_freed(by_key[k], config)
+            decision="offloaded",
+            copies=c,
+            bytes=b,
+            freed_storages=_freed(by_key[k], config, semantics),
         )
         for k, (c, b) in moved.items()
     }

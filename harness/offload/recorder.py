@@ -39,6 +39,9 @@ class SavedInfo:
     """On the device the model runs on (an offloader only tracks those)."""
     parameter: bool
     """A ``Parameter`` object, or a tensor sharing a storage marked not-offloadable."""
+    marked_itself: bool = False
+    """The saved object itself is a ``Parameter`` or was itself marked not-offloadable (a view
+    of a parameter, e.g. the ``W.t()`` a matmul saves, is not)."""
 
     @property
     def numel(self) -> int:
@@ -170,6 +173,8 @@ class RecordingOffloader:
             contiguous=tensor.is_contiguous(),
             on_device=_same_device(tensor.device, self.device),
             parameter=isinstance(tensor, torch.nn.Parameter) or ptr in self._marked,
+            marked_itself=isinstance(tensor, torch.nn.Parameter)
+            or any(tensor is t for t in self._marked.values()),
         )
 
     def end_iteration(self) -> None:

@@ -1,0 +1,336 @@
+"""Backend ``mcore``: megatron-core's own fine-grained activation offloader driving our models.
+
+The adapter maps the harness protocol one to one onto megatron-core's public interface
+(``megatron/core/pipeline_parallel/fine_grained_activation_offload.py``), so the manager, its
+streams, its pinned pool and its policies (margin, delta, fraction, max in-flight) run
+unchanged:
+
+    begin_microbatch(m)   -> FineGrainedActivationOffloadingInterface.init_chunk_handler(...)
+    group(name, x, layer) -> fine_grained_offloading_group_start(x, name)
+    with group:           -> PipelineOffloadManager.__enter__/__exit__ (saved-tensor hooks)
+    group.commit(y, rel)  -> fine_grained_offloading_group_offload(y, name, rel)
+    mark_not_offloadable  -> FineGrainedActivationOffloadingInterface.mark_not_offload
+    end_iteration()       -> FineGrainedActivationOffloadingInterface.reset()
+    set_enabled(False)    -> disable_offload(), and no chunk handler while disabled (what a
+                             model with the config flag off does)
+
+Three things megatron-core expects from its surroundings are provided here:
+
+* **TransformerEngine's CPU-offload flag.** Entering a group sets
+  ``megatron.core.extensions.transformer_engine.cpu_offload.CPUOffloadEnabled`` (TE uses it to
+  stay out of the way). Without TransformerEngine that module attribute is None and entering a
+  group raises; the shim is a namespace holding just that flag (it is only ever assigned).
+* **A process group.** The first reset after warmup prints a per-rank summary table with one
+  ``all_gather_object`` and one ``barrier`` on the world group. Under torchrun the session's
+  group is used; a single process gets a one-rank gloo group on an in-memory store (no port).
+* **Attribution for the transfer counter.** megatron-core emits NVTX ranges, not profiler
+  ranges. Each chunk handler's offload, bulk-reload and pop methods are wrapped (per instance,
+  semantics untouched) to open the harness's ``record_function`` range for the group being
+  copied, and to count copies and bytes for the iteration log. The ranges are only opened while
+  a profiler runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import types
+from collections import Counter
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from harness.offload.config import OffloadConfig
+from harness.offload.passthrough import PassThroughGroup
+from harness.offload.protocol import GroupRecord, IterationLog, Output
+from harness.offload.ranges import Direction, range_name
+from harness.offload.reference import RaceDelays
+from harness.predict import Semantics
+
+MODULE = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
+TE_EXTENSION = "megatron.core.extensions.transformer_engine"
+
+GroupKey = tuple[int, int, str]
+
+
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """Why the backend cannot run here (None when it can)."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return "backend 'mcore' needs a CUDA device (megatron-core's offloader uses CUDA streams)"
+    try:
+        importlib.import_module(MODULE)
+    except ImportError as exc:
+        return f"backend 'mcore' needs megatron-core (pip install -e '.[mcore]'): {exc}"
+    return None
+
+
+def provide_te_flag() -> str:
+    """Make sure megatron-core finds TransformerEngine's CPU-offload flag object; returns what
+    provides it (TransformerEngine's own module, or ``shim``)."""
+    try:
+        extension = importlib.import_module(TE_EXTENSION)
+    except ImportError:
+        extension = types.ModuleType(TE_EXTENSION)
+        extension.cpu_offload = None  # type: ignore[attr-defined]
+        sys.modules[TE_EXTENSION] = extension
+    flag = getattr(extension, "cpu_offload", None)
+    if flag is None:
+        extension.cpu_offload = types.SimpleNamespace(CPUOffloadEnabled=False)  # type: ignore[attr-defined]
+        return "shim"
+    return getattr(flag, "__name__", type(flag).__name__)
+
+
+def ensure_process_group() -> None:
+    """A process group for the post-warmup summary: the session's, or a one-rank gloo group."""
+    if dist.is_initialized():
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _maybe_range(direction: Direction, key: GroupKey) -> contextlib.AbstractContextManager[Any]:
+    if not torch._C._autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    microbatch, layer, name = key
+    return record_function(range_name(direction, name, microbatch, layer))
+
+
+def _sleep_on(stream: torch.cuda.Stream, cycles: int) -> None:
+    if cycles:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(cycles)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class McoreOffloader:
+    """megatron-core's ``PipelineOffloadManager`` behind the harness protocol (one live instance
+    at a time: megatron-core's manager is a process-wide singleton, reset on construction)."""
+
+    name = "mcore"
+    semantics = Semantics(view_copy="gather", skip="object")
+    """megatron-core 0.19's copy rules: non-contiguous tensors are gathered (no whole-storage
+    copy of covering views), and only ``Parameter`` objects and tensors carrying the
+    not-offload attribute themselves are skipped (a ``W.t()`` saved by a matmul is moved)."""
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        device: torch.device | str,
+        *,
+        delays: RaceDelays | None = None,
+    ) -> None:
+        reason = unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(reason)
+        self.config = config
+        self.delays = delays or RaceDelays()
+        """GPU sleeps widening race windows: on megatron-core's D2H stream before each group's
+        copies, on its H2D stream before each bulk reload, on the compute stream after each
+        commit (the same places as the reference offloader's)."""
+        self.device = torch.device(device)
+        self.te_flag = provide_te_flag()
+        ensure_process_group()
+        self._mcore = importlib.import_module(MODULE)
+        self._interface = self._mcore.FineGrainedActivationOffloadingInterface
+        self._interface.reset_instance()
+        self._manager = self._mcore.PipelineOffloadManager.get_instance()
+        self._enabled = True
+        self._microbatch = 0
+        self._keys: dict[int, GroupKey] = {}
+        """id(megatron OffloadTensorGroup) -> (microbatch, layer, name) of its occurrence."""
+        self._wrapped: set[int] = set()
+        self._counts: dict[GroupKey, Counter[str]] = {}
+        self._logs: list[IterationLog] = []
+
+    # -- protocol --------------------------------------------------------------------------
+
+    def begin_microbatch(self, microbatch: int) -> None:
+        self._microbatch = microbatch
+        if not self._enabled:
+            return
+        c = self.config
+        self._interface.init_chunk_handler(
+            c.pp_rank,
+            None,
+            None,
+            c.min_offloaded_tensor_size,
+            c.delta_offload_bytes_across_pp_ranks,
+            c.activation_offload_fraction,
+            max_inflight_offloads=c.max_inflight_offloads,
+        )
+
+    def group(self, name: str, x: torch.Tensor, *, layer: int) -> McoreGroup | PassThroughGroup:
+        if not self._enabled or name not in self.config.offload_modules:
+            return PassThroughGroup(x)
+        return McoreGroup(self, name, x, layer)
+
+    def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            self._interface.mark_not_offload(tensor)
+
+    def end_iteration(self) -> None:
+        if self._manager._cached_chunks_forward or self._logs:
+            self._logs.append(self._iteration_log())
+        self._interface.reset()
+        self._counts = {}
+
+    def set_enabled(self, enabled: bool) -> None:
+        self._enabled = enabled
+        if enabled:
+            self._interface.enable_offload()
+        else:
+            self._interface.disable_offload()
+
+    def iteration_logs(self) -> list[IterationLog]:
+        return list(self._logs)
+
+    def close(self) -> None:
+        # Drop the singleton (and with it the streams and the pinned pool) instead of leaving a
+        # manager with this run's chunks behind for the next backend instance.
+        self._mcore.PipelineOffloadManager.OFFLOAD_MGR = None
+        self._manager = None
+        self._keys.clear()
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _started(self, name: str, layer: int) -> None:
+        """After a group start: remember which megatron group this occurrence is, and
+        instrument its chunk once."""
+        chunk = self._manager.cur_forward_chunk()
+        if chunk is None or not chunk.do_offload:
+            return
+        group = chunk.offload_groups[chunk._offloaded_group_index - 1]
+        self._keys[id(group)] = (self._microbatch, layer, name)
+        if id(chunk) not in self._wrapped:
+            self._wrapped.add(id(chunk))
+            self._instrument(chunk)
+
+    def _count(self, group: Any, field: str, amount: int = 1) -> None:
+        key = self._keys.get(id(group))
+        if key is not None:
+            self._counts.setdefault(key, Counter())[field] += amount
+
+    def _instrument(self, chunk: Any) -> None:
+        """Wrap the chunk's copy paths: profiler ranges and counters, same calls underneath."""
+        keys, count, delays = self._keys, self._count, self.delays
+        offload_group: Callable[[Any], None] = chunk.bulk_offload_group
+        reload_group: Callable[[], None] = chunk.bulk_reload_group
+        tensor_push: Callable[[Any], Any] = chunk.tensor_push
+        tensor_pop: Callable[[Any], Any] = chunk.tensor_pop
+
+        def bulk_offload_group(group: Any) -> None:
+            before = {tag for tag, v in group._tensors.items() if isinstance(v, tuple)}
+            _sleep_on(chunk.d2h_stream, delays.d2h)
+            with _maybe_range("d2h", keys.get(id(group), (-1, -1, group._name))):
+                offload_group(group)
+            for tag, state in group._tensors.items():
+                if isinstance(state, tuple) and tag not in before:
+                    count(group, "d2h_copies")
+                    count(group, "d2h_bytes", _nbytes(state[1]))
+
+        def bulk_reload_group() -> None:
+            group = chunk._groups_to_reload[-1]
+            states = [v for v in group._tensors.values() if isinstance(v, tuple)]
+            _sleep_on(chunk.h2d_stream, delays.h2d)
+            with _maybe_range("h2d", keys.get(id(group), (-1, -1, group._name))):
+                reload_group()
+            for state in states:
+                count(group, "h2d_copies")
+                count(group, "h2d_bytes", _nbytes(state[1]))
+
+        def push(tensor: Any) -> Any:
+            tag = tensor_push(tensor)
+            if isinstance(tag, tuple):
+                count(chunk.offload_groups[tag[0] - 1], "tracked")
+            return tag
+
+        def pop(tag: Any) -> Any:
+            if not isinstance(tag, tuple):
+                return tensor_pop(tag)
+            group = chunk.offload_groups[tag[0] - 1]
+            state = group._tensors.get(tag)
+            if not isinstance(state, tuple):  # on the GPU: kept, or reloaded in bulk already
+                return tensor_pop(tag)
+            # Inline reload on the compute stream (no bulk reload reached this tensor).
+            count(group, "h2d_copies")
+            count(group, "h2d_bytes", _nbytes(state[1]))
+            count(group, "inline_reloads")
+            with _maybe_range("h2d", keys.get(id(group), (-1, -1, group._name))):
+                return tensor_pop(tag)
+
+        chunk.bulk_offload_group = bulk_offload_group
+        chunk.bulk_reload_group = bulk_reload_group
+        chunk.tensor_push = push
+        chunk.tensor_pop = pop
+
+    def _iteration_log(self) -> IterationLog:
+        manager = self._manager
+        warmup = bool(manager._is_warmup)
+        records = []
+        leaked = 0
+        for chunk in manager._cached_chunks_forward:
+            for group in chunk.offload_groups:
+                leaked += len(group._tensors)
+                key = self._keys.get(id(group))
+                if key is None:
+                    continue
+                c = self._counts.get(key, Counter())
+                records.append(
+                    GroupRecord(
+                        microbatch=key[0],
+                        layer=key[1],
+                        name=key[2],
+                        decision="offloaded" if c["d2h_copies"] else "kept",
+                        tracked=c["tracked"],
+                        d2h_copies=c["d2h_copies"],
+                        d2h_bytes=c["d2h_bytes"],
+                        h2d_copies=c["h2d_copies"],
+                        h2d_bytes=c["h2d_bytes"],
+                    )
+                )
+        stats = manager.cpu_tensor_pool._stats
+        return IterationLog(
+            iteration=len(self._logs),
+            warmup=warmup,
+            groups=tuple(records),
+            leaked_tensors=leaked,
+            pool_in_use=int(stats["current_in_use"]),
+            pool_allocated=int(stats["total_allocated"]),
+        )
+
+
+class McoreGroup:
+    """One group occurrence driven through megatron-core's start / hooks / commit calls."""
+
+    def __init__(self, owner: McoreOffloader, name: str, x: torch.Tensor, layer: int) -> None:
+        self._owner = owner
+        self.name = name
+        self.input = owner._mcore.fine_grained_offloading_group_start(x, name)
+        owner._started(name, layer)
+
+    def __enter__(self) -> McoreGroup:
+        self._owner._manager.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._owner._manager.__exit__(exc_type, exc, tb)
+
+    def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
+        out = self._owner._mcore.fine_grained_offloading_group_offload(
+            output, self.name, list(release), False
+        )
+        if self._owner.delays.compute:
+            torch.cuda._sleep(self._owner.delays.compute)
+        return out  # type: ignore[no-any-return]
