@@ -29,8 +29,10 @@ from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import GroupRecord, Offloader
 from harness.offload.recorder import GroupObservation, RecordingOffloader
 from harness.predict import (
+    MEGATRON_MAIN,
     Expected,
     GroupKey,
+    Semantics,
     freed_storages,
     in_flight_after_forward,
     predict,
@@ -55,6 +57,12 @@ class Environment:
 
     def offloader(self, config: OffloadConfig) -> Offloader:
         return resolve_backend(self.backend)(config, self.device)
+
+    @property
+    def semantics(self) -> Semantics:
+        """The backend's version-dependent copy rules (its factory's ``semantics``, default
+        Megatron-Core main's), for the prediction."""
+        return getattr(resolve_backend(self.backend), "semantics", MEGATRON_MAIN)
 
     def spec(self, case: Case) -> ModelSpec:
         spec = case.model_spec(self.model_size)
@@ -182,7 +190,8 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     recorder = RecordingOffloader(config, env.device)
     hooks = train(spec, run, recorder, env.device, sharding=case.sharding)
     observations = recorder.iterations[0]
-    _, steady = predict(observations, config, schedule_order(run.schedule, run.microbatches))
+    order = schedule_order(run.schedule, run.microbatches)
+    _, steady = predict(observations, config, order, env.semantics)
     sink: list[TransferCounts] = []
     last = run.steps - 1
     with _closing(env.offloader(config)) as offloader:
@@ -310,10 +319,10 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
     order = schedule_order(run.schedule, run.microbatches)
     last_forward = max(i for i, (kind, _) in enumerate(order) if kind == "F")
     observations = record_observations(case, env)
-    _, steady = predict(observations, config, order)
+    _, steady = predict(observations, config, order, env.semantics)
     freed = freed_storages(observations, steady, in_flight_after_forward(order, last_forward))
     redundant = sorted(
-        redundant_reload_bytes(o, config)
+        redundant_reload_bytes(o, config, env.semantics)
         for o in observations
         if steady[(o.microbatch, o.layer, o.name)].offloaded
     )
