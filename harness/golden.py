@@ -133,7 +133,10 @@ class GoldenCheck:
 
     def record(self) -> dict[str, str]:
         """The report fields of this check."""
-        return {"status": self.status, "path": str(self.path), "message": self.message}
+        path = self.path
+        if path.is_relative_to(GOLDEN_ROOT.parents[1]):
+            path = path.relative_to(GOLDEN_ROOT.parents[1])
+        return {"status": self.status, "path": str(path), "message": self.message}
 
 
 def check(

@@ -12,6 +12,7 @@ import platform
 import subprocess
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import torch
 
@@ -56,14 +57,26 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def run_folder(root: Path) -> Path:
-    """A new ``<UTC time>_<sha>[_dirty]`` folder under ``root``."""
+def folder_name() -> str:
+    """``<UTC time>_<sha>[_dirty]`` for a new report folder."""
     commit = commit_info()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    name = f"{stamp}_{(commit['sha'] or 'nogit')[:10]}{'_dirty' if commit['dirty'] else ''}"
-    folder = root / name
-    folder.mkdir(parents=True, exist_ok=False)
-    return folder
+    return f"{stamp}_{(commit['sha'] or 'nogit')[:10]}{'_dirty' if commit['dirty'] else ''}"
+
+
+def run_folder(root: Path, name: str | None = None) -> Path:
+    """Create a new report folder ``root/name`` (default ``folder_name()``); a name already
+    taken (two runs in one second) gets ``-2``, ``-3``... appended."""
+    base = name or folder_name()
+    root.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, 1000):
+        folder = root / (base if attempt == 1 else f"{base}-{attempt}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(f"no free report folder name under {root} for {base}")
 
 
 def write_summary(folder: Path, cases: list[dict[str, Any]], **extra: Any) -> Path:
@@ -81,15 +94,52 @@ def write_summary(folder: Path, cases: list[dict[str, Any]], **extra: Any) -> Pa
     return path
 
 
+def write_junit(folder: Path, summary: dict[str, Any]) -> Path:
+    """``junit.xml`` of a CLI run: one testcase per case, its problems as the failure text
+    (pytest sessions get pytest's own JUnit XML instead)."""
+    cases = summary["cases"]
+    failures = sum(c["verdict"] != "pass" for c in cases)
+    suite = ElementTree.Element(
+        "testsuite",
+        name="offload-harness",
+        tests=str(len(cases)),
+        failures=str(failures),
+        errors="0",
+        skipped="0",
+        time=str(summary.get("seconds", 0)),
+        timestamp=summary.get("created_utc", ""),
+        hostname=summary.get("machine", {}).get("host", ""),
+    )
+    for case in cases:
+        element = ElementTree.SubElement(
+            suite,
+            "testcase",
+            classname=f"offload-harness.{summary.get('backend', 'run')}",
+            name=case["name"],
+            time=str(case.get("duration", case.get("seconds", 0))),
+        )
+        if case["verdict"] != "pass":
+            problems = case.get("problems") or ["failed"]
+            failure = ElementTree.SubElement(element, "failure", message=problems[0][:500])
+            failure.text = "\n".join(problems)
+    path = folder / "junit.xml"
+    tree = ElementTree.ElementTree(ElementTree.Element("testsuites"))
+    tree.getroot().append(suite)
+    tree.write(path, encoding="utf-8", xml_declaration=True)
+    return path
+
+
 def verdict_table(summary: dict[str, Any]) -> str:
-    """Console table of a summary: case, verdict, groups moved, DtoH/HtoD copies and bytes."""
-    rows = [("case", "verdict", "groups moved", "DtoH", "HtoD", "bytes each way")]
+    """Console table of a summary: case, verdict, golden trace, groups moved, DtoH/HtoD copies
+    and bytes."""
+    rows = [("case", "verdict", "golden", "groups moved", "DtoH", "HtoD", "bytes each way")]
     for case in summary["cases"]:
         t = case.get("transfers", {})
         rows.append(
             (
                 case["name"],
                 case["verdict"],
+                case.get("golden", {}).get("status", "-"),
                 ",".join(t.get("names_moved", [])) or "-",
                 str(t.get("d2h_copies", "-")),
                 str(t.get("h2d_copies", "-")),
