@@ -125,6 +125,7 @@ class McoreOffloader:
         device: torch.device | str,
         *,
         delays: RaceDelays | None = None,
+        inline_reload_waits: bool = False,
     ) -> None:
         reason = unavailable_reason(device)
         if reason is not None:
@@ -134,6 +135,10 @@ class McoreOffloader:
         """GPU sleeps widening race windows: on megatron-core's D2H stream before each group's
         copies, on its H2D stream before each bulk reload, on the compute stream after each
         commit (the same places as the reference offloader's)."""
+        self.inline_reload_waits = inline_reload_waits
+        """Diagnostic, off by default: make the compute stream wait for a group's D2H event
+        before an inline reload reads its host buffer (the ordering megatron-core 0.19 lacks,
+        Megatron-LM #7398). A mismatch that disappears with it is that race."""
         self.device = torch.device(device)
         self.te_flag = provide_te_flag()
         ensure_process_group()
@@ -220,6 +225,7 @@ class McoreOffloader:
     def _instrument(self, chunk: Any) -> None:
         """Wrap the chunk's copy paths: profiler ranges and counters, same calls underneath."""
         keys, count, delays = self._keys, self._count, self.delays
+        inline_waits = self.inline_reload_waits
         offload_group: Callable[[Any], None] = chunk.bulk_offload_group
         reload_group: Callable[[], None] = chunk.bulk_reload_group
         tensor_push: Callable[[Any], Any] = chunk.tensor_push
@@ -262,6 +268,8 @@ class McoreOffloader:
             count(group, "h2d_copies")
             count(group, "h2d_bytes", _nbytes(state[1]))
             count(group, "inline_reloads")
+            if inline_waits:
+                torch.cuda.current_stream().wait_event(group._offload_event)
             with _maybe_range("h2d", keys.get(id(group), (-1, -1, group._name))):
                 return tensor_pop(tag)
 
@@ -304,6 +312,15 @@ class McoreOffloader:
             pool_in_use=int(stats["current_in_use"]),
             pool_allocated=int(stats["total_allocated"]),
         )
+
+
+def with_inline_reload_wait(config: OffloadConfig, device: torch.device | str) -> McoreOffloader:
+    """Backend ``mcore.inline-wait``: megatron-core's offloader plus the one stream edge its
+    inline reload path lacks (see ``McoreOffloader.inline_reload_waits``)."""
+    return McoreOffloader(config, device, inline_reload_waits=True)
+
+
+with_inline_reload_wait.semantics = McoreOffloader.semantics  # type: ignore[attr-defined]
 
 
 class McoreGroup:
