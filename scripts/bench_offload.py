@@ -3,15 +3,16 @@
 
 For each tensor size S, one microbatch opens K groups that each save one tensor of S bytes and
 a last tiny group (which the margin policy keeps on the device). After a warmup iteration (pool
-buffers allocated), steady iterations are timed on the host with the device synchronised before
-and after:
+buffers allocated), steady iterations are timed with CUDA events from an idle device (synchronised
+before) to every stream drained (synchronised after, then the end event):
 
     offload D2H   the K groups' forward (start, save, commit: the D2H copies), until done
     offload H2D   their backward (reload prefetches and on-demand reloads), until done
     raw D2H/H2D   K back-to-back ``copy_(non_blocking=True)`` between device and pinned memory
 
 Both measurements include everything the host enqueues, so the ratio is the offloader's
-overhead. Prints a table and, with --json, writes the figures. Needs CUDA.
+overhead. Prints a table and, with --json, writes the figures. Needs CUDA. ``scripts/bench``
+imports ``raw_rates`` and ``offload_rates`` for its copy-bound figures.
 
     python scripts/bench_offload.py [--min-mib 1] [--max-mib 1024] [--repeats 5] [--json out.json]
 """
@@ -22,12 +23,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from harness.offload.backends import Factory
 from harness.offload.config import OffloadConfig
 from harness.offload.reference import OffloadContext
 
@@ -68,12 +69,17 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def _timed_call(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Seconds from an idle device to the device finishing what ``fn`` enqueued, and its value."""
+    """Seconds from an idle device to the device finishing what ``fn`` enqueued on any stream,
+    and its value. The end event is recorded after a synchronize: an event on the current
+    stream alone would miss copies still running on an offloader's side streams."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    start.record()
     value = fn()
     torch.cuda.synchronize()
-    return time.perf_counter() - start, value
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3, value
 
 
 def raw_rates(nbytes: int, count: int, repeats: int) -> tuple[float, float]:
@@ -96,11 +102,13 @@ def raw_rates(nbytes: int, count: int, repeats: int) -> tuple[float, float]:
     )
 
 
-def offload_rates(nbytes: int, count: int, repeats: int) -> tuple[float, float]:
+def offload_rates(
+    nbytes: int, count: int, repeats: int, factory: Factory = OffloadContext
+) -> tuple[float, float]:
     """Median seconds of ``count`` groups' D2H (forward) and H2D (backward) through the
-    reference offloader, steady state."""
+    offloader ``factory`` builds (the reference by default), steady state."""
     config = OffloadConfig(offload_modules=("core_attn",), min_offloaded_tensor_size=1)
-    off = OffloadContext(config, "cuda")
+    off = factory(config, torch.device("cuda", torch.cuda.current_device()))
     numel = nbytes // 2
     inputs = [
         torch.zeros(numel, dtype=torch.bfloat16, device="cuda", requires_grad=True)
