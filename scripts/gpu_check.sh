@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU validation in one go: the unit tests (CUDA ones included), the case matrix on CUDA with
-# its report, and the bandwidth benchmark. Logs and reports go to $OUT (default reports/gpu).
-# Each section has its own time limit so one slow part cannot eat the others' output.
+# its report (the host-sync case cases/test_sync.py included), the host-sync case against the
+# deliberately syncing backend (it must fail), and the step-time/copy-rate benchmark. Logs and
+# reports go to $OUT (default reports/gpu). Each section has its own time limit so one slow part
+# cannot eat the others' output.
 set -uo pipefail
 OUT=${OUT:-reports/gpu}
 mkdir -p "$OUT"
@@ -21,6 +23,11 @@ timeout "${T_CASES:-280}" python3 -m pytest -q -p no:cacheprovider cases/ --devi
   > "$OUT/cases.log" 2>&1
 echo "cases rc=$? in $((SECONDS - start))s"; tail -n 4 "$OUT/cases.log"
 start=$SECONDS
-timeout "${T_BENCH:-90}" python3 scripts/bench_offload.py --json "$OUT/bench.json" \
-  > "$OUT/bench.log" 2>&1
+# Mutation check of the sync case: the first case must fail, naming step, microbatch and group.
+timeout "${T_SYNC:-90}" python3 -m pytest -q -p no:cacheprovider -x cases/test_sync.py \
+  --device cuda --backend "${SYNC_BROKEN:-broken.sync_per_group}" > "$OUT/sync-broken.log" 2>&1
+echo "sync case vs ${SYNC_BROKEN:-broken.sync_per_group} rc=$? (1 expected) in $((SECONDS - start))s"
+grep -m 3 "synchronised the host" "$OUT/sync-broken.log"
+start=$SECONDS
+timeout "${T_BENCH:-300}" python3 scripts/bench --out "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $((SECONDS - start))s"; cat "$OUT/bench.log"
