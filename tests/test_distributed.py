@@ -1,0 +1,229 @@
+"""``harness.distributed`` and the process-group plugin (``fixtures.dist``).
+
+* the helpers without a group (world size 1) and across two spawned gloo ranks that rendezvous on
+  a ``FileStore`` in a temporary folder (no port);
+* the pure pieces of the plugin: collection-order comparison, collection-time skip reasons;
+* acceptance in subprocesses: a test that sleeps past ``--case-timeout`` fails the run with every
+  thread's stack instead of hanging; ``-n`` under ``WORLD_SIZE`` > 1 is refused in one line; and
+  a real ``torchrun --standalone --nproc-per-node=2`` session where one rank fails an assertion:
+  both ranks raise the same message naming that rank, the next test still runs on both, and
+  every rank's log lands in the report folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fixtures.cases import skip_reason
+from fixtures.dist import collection_difference
+from harness import distributed
+from harness.cases import SEED_CASE, Case
+
+pytest_plugins = ["pytester"]
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+# ------------------------------------------------------------------------- without a group
+def test_helpers_without_a_group_are_world_size_one() -> None:
+    if distributed.initialized():
+        pytest.skip("a process group is up in this process")
+    assert (distributed.rank(), distributed.world_size()) == (0, 1)
+    distributed.barrier()
+    obj = {"a": [1, 2]}
+    assert distributed.broadcast_object(obj) is obj
+    assert distributed.all_gather_object(obj) == [obj]
+    problems = ["loss differs at step 1", "two\nlines"]
+    assert distributed.collective_problems(problems) == problems
+
+
+def test_env_int_rejects_non_integers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE='two' is not an int"):
+        distributed.env_int("WORLD_SIZE", 1)
+
+
+# -------------------------------------------------------------------------- two gloo ranks
+def _two_rank_worker(rank: int, store_path: str, out: str) -> None:
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        distributed.barrier()
+        result = {
+            "rank": distributed.rank(),
+            "world": distributed.world_size(),
+            "broadcast": distributed.broadcast_object(f"from {rank}"),
+            "gathered": distributed.all_gather_object(rank * 10),
+            "problems": distributed.collective_problems(
+                ["first divergence: step 2, microbatch 1\n  loss table"] if rank == 1 else []
+            ),
+            "none": distributed.collective_problems([]),
+        }
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_helpers_across_two_gloo_ranks(tmp_path: Path) -> None:
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    expected_problems = ["rank 1: first divergence: step 2, microbatch 1\nrank 1:   loss table"]
+    for rank, result in enumerate(results):
+        assert (result["rank"], result["world"]) == (rank, 2)
+        assert result["broadcast"] == "from 0"
+        assert result["gathered"] == [0, 10]
+        assert result["problems"] == expected_problems, "every rank sees the same problems"
+        assert result["none"] == []
+
+
+def test_single_rank_group_needs_no_port_and_is_destroyed() -> None:
+    if distributed.initialized():
+        pytest.skip("a process group is up in this process")
+    code = (
+        "import torch; from harness import distributed as d\n"
+        "d.ensure_process_group(torch.device('cpu'))\n"
+        "assert d.initialized() and d.world_size() == 1\n"
+        "d.shutdown(); assert not d.initialized(); print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+# ----------------------------------------------------------------------- plugin, pure parts
+def test_collection_difference_names_the_first_differing_position() -> None:
+    same = [["a", "b"], ["a", "b"]]
+    assert collection_difference(same) == ""
+    message = collection_difference([["a", "b", "c"], ["a", "c", "b"]])
+    assert "position 1" in message and "rank 1 has 'c'" in message and "rank 0 has 'b'" in message
+    shorter = collection_difference([["a", "b"], ["a"]])
+    assert "position 1" in shorter and "'<end>'" in shorter and "2 vs 1 tests" in shorter
+
+
+def test_skip_reasons_at_collection() -> None:
+    two = SEED_CASE.replace(sharding="zero3", min_ranks=2)
+    assert skip_reason(SEED_CASE, 1, CPU, 0) == ""
+    assert skip_reason(two, 2, CPU, 0) == ""
+    assert "needs 2 ranks, WORLD_SIZE is 1" in skip_reason(two, 1, CPU, 0)
+    assert "needs 2 GPUs (one per rank), 1 visible" in skip_reason(
+        two, 2, torch.device("cuda", 0), 1
+    )
+
+
+def test_zero3_case_rows() -> None:
+    row = SEED_CASE.replace(sharding="zero3")
+    assert row.name == f"{SEED_CASE.name}_zero3"
+    assert row.replace(min_ranks=2).name == f"{SEED_CASE.name}_zero3_ranks-2"
+    with pytest.raises(ValueError, match="unknown sharding 'zero2'"):
+        Case(family="hybrid", offload=("core_attn",), sharding="zero2")
+    with pytest.raises(ValueError, match="min_ranks must be an int >= 1"):
+        Case(family="hybrid", offload=("core_attn",), min_ranks=0)
+
+
+# ------------------------------------------------------------------- acceptance, subprocess
+CONFTEST = """
+pytest_plugins = ["fixtures.options", "fixtures.dist", "fixtures.models", "fixtures.cases",
+                  "fixtures.report"]
+"""
+
+SLEEPER = """
+import time
+
+def test_sleeps_past_the_timeout():
+    time.sleep(60)
+"""
+
+
+def _clean_env() -> dict[str, str]:
+    drop = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _pytest(folder: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--device", "cpu"]
+    return subprocess.run(
+        [*command, *args],
+        cwd=folder,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_timeout_dumps_stacks_and_fails_instead_of_hanging(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_sleeper=SLEEPER)
+    done = _pytest(pytester.path, "--case-timeout", "3", "--report-dir", "", "-p", "no:xdist")
+    assert done.returncode != 0
+    assert "Timeout (0:00:03)!" in done.stderr, done.stderr
+    assert "test_sleeps_past_the_timeout" in done.stderr, "the dump shows the test's frame"
+
+
+def test_xdist_with_torchrun_world_is_refused(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_sleeper="def test_nothing():\n    pass\n")
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--device", "cpu"],
+        cwd=pytester.path,
+        env={**_clean_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert errors == ["ERROR: -n/--dist (xdist) cannot be combined with torchrun WORLD_SIZE > 1"]
+
+
+RANK_TESTS = """
+from harness import distributed
+
+
+def test_rank_one_fails():
+    problems = ["loss differs at step 3"] if distributed.rank() == 1 else []
+    combined = distributed.collective_problems(problems)
+    assert not combined, "\\n".join(combined)
+
+
+def test_next_test_still_runs():
+    assert distributed.all_gather_object(distributed.rank()) == [0, 1]
+"""
+
+
+def test_torchrun_two_ranks_collective_verdict(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_ranks=RANK_TESTS)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node=2", "-m", "pytest", "-p", "no:cacheprovider", "-rA"]
+    command += ["--device", "cpu", "--report-dir", "reports", "--case-timeout", "120"]
+    done = subprocess.run(
+        command, cwd=pytester.path, env=_clean_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0, "one test failed"
+    console = done.stdout
+    assert "FAILED test_ranks.py::test_rank_one_fails" in console, console
+    assert "PASSED test_ranks.py::test_next_test_still_runs" in console, console
+    assert "1 failed, 1 passed" in console, console
+    assert console.count("1 failed, 1 passed") == 1, "only rank 0 writes to the console"
+    logs = sorted(pytester.path.glob("reports/*/rank*.log"))
+    assert [p.name for p in logs] == ["rank0.log", "rank1.log"], logs
+    for log in logs:
+        text = log.read_text()
+        assert "rank 1: loss differs at step 3" in text, f"{log.name} lacks the verdict"
+        assert "1 failed, 1 passed" in text
