@@ -25,8 +25,8 @@ echo "cases rc=$? in $((SECONDS - start))s"; tail -n 4 "$OUT/cases.log"
 start=$SECONDS
 # Mutation check of the sync case: the first case must fail, naming step, microbatch and group.
 timeout "${T_SYNC:-90}" python3 -m pytest -q -p no:cacheprovider -x cases/test_sync.py \
-  --device cuda --backend "${SYNC_BROKEN:-broken.sync_per_group}" > "$OUT/sync-broken.log" 2>&1
-echo "sync case vs ${SYNC_BROKEN:-broken.sync_per_group} rc=$? (1 expected) in $((SECONDS - start))s"
+  --device cuda --backend "${SYNC_BROKEN:-broken.host_sync}" > "$OUT/sync-broken.log" 2>&1
+echo "sync case vs ${SYNC_BROKEN:-broken.host_sync} rc=$? (1 expected) in $((SECONDS - start))s"
 grep -m 3 "synchronised the host" "$OUT/sync-broken.log"
 start=$SECONDS
 timeout "${T_BENCH:-300}" python3 scripts/bench --out "$OUT" > "$OUT/bench.log" 2>&1
