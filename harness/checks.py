@@ -2,18 +2,26 @@
 
 pytest cases assert that the list is empty; ``offload-harness run`` prints it. One definition
 serves both, so the CLI and the test suite cannot disagree about a verdict.
+
+Every problem names where it happened: the step, the microbatch and the group (a loss mismatch
+lists the groups offloaded in the step where the first gradient or loss went wrong, per
+microbatch, as suspects).
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from collections.abc import Callable, Iterable
 
 import torch
 
 from harness.cases import Case
-from harness.compare import loss_table
-from harness.execute import CaseRun, MemoryResult, total
+from harness.compare import first_divergence, loss_table
+from harness.execute import CaseRun, Environment, MemoryResult, total
+from harness.predict import GroupKey, predict
 from harness.spec import ModelSpec
+from harness.train import schedule_order
 from harness.transfers import Counts
 
 
@@ -24,7 +32,7 @@ def repro_hint(case: Case) -> str:
 def equivalence_problems(case: Case, res: CaseRun) -> list[str]:
     """Offload happened, then losses, gradients and final weights equal the plain baseline."""
     if res.proof_problems:
-        return ["the offload did not happen:", *res.proof_problems]
+        return ["the offload did not happen in step 0 (the warmup step):", *res.proof_problems]
     problems = []
     if not res.verdict.ok:
         problems.append(res.verdict.message)
@@ -37,9 +45,68 @@ def equivalence_problems(case: Case, res: CaseRun) -> list[str]:
         name, diff = res.weight_difference
         problems.append(f"final weights differ first at {name} (max |diff| {diff:.3e})")
     if problems:
+        problems.append(suspect_groups(case, res))
         problems.append(loss_table(res.plain.losses, res.offload.losses))
         problems.append(repro_hint(case))
     return problems
+
+
+def suspect_groups(case: Case, res: CaseRun) -> str:
+    """The groups offloaded in the first step whose gradients or losses differ, per microbatch:
+    a corrupted reload shows in that step's gradients (its losses diverge one step later)."""
+    loss = first_divergence(res.plain.losses, res.offload.losses, case.tolerance)
+    known = [loss.step] if loss is not None else []
+    if res.grad_difference is not None:
+        known.append(res.grad_difference[0])
+    step = min(known) if known else case.steps - 1
+    offloaded, source = _offloaded_in_step(case, res, step)
+    parts = [
+        f"microbatch {mb}: {_group_list(keys)}"
+        for mb, keys in sorted(_by_microbatch(offloaded).items())
+    ]
+    line = f"suspect groups, offloaded in step {step} ({source}): " + ("; ".join(parts) or "none")
+    if res.grad_difference is not None:
+        layer = re.search(r"layers\.(\d+)\.", res.grad_difference[1])
+        if layer is not None:
+            line += f"; the first differing gradient is in layer {layer.group(1)}"
+    return line
+
+
+def _offloaded_in_step(case: Case, res: CaseRun, step: int) -> tuple[list[GroupKey], str]:
+    """Group occurrences that moved bytes in ``step``: the offloader's log when it keeps one,
+    else the prediction (warmup for step 0, steady state after)."""
+    logs = res.offload.logs
+    if step < len(logs):
+        moved = [r.key for r in logs[step].groups if r.d2h_copies]
+        if moved:
+            return moved, "the offloader's log"
+    order = schedule_order(case.schedule, case.microbatches)
+    warmup, steady = predict(res.observations, case.offload_config(), order)
+    expected = warmup if step == 0 else steady
+    return [k for k, e in expected.items() if e.copies], "predicted"
+
+
+def _by_microbatch(keys: Iterable[GroupKey]) -> dict[int, list[GroupKey]]:
+    out: dict[int, list[GroupKey]] = {}
+    for key in keys:
+        out.setdefault(key[0], []).append(key)
+    return out
+
+
+def _group_list(keys: Iterable[GroupKey], limit: int = 8) -> str:
+    """``core_attn (layer 0), attn_proj (layer 0), ...`` in layer order."""
+    ordered = sorted(keys, key=lambda k: (k[1], k[2]))
+    shown = [f"{name} (layer {layer})" for _, layer, name in ordered[:limit]]
+    more = len(ordered) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "")
+
+
+def _occurrences(keys: Iterable[GroupKey], limit: int = 6) -> str:
+    """``expert_fc1 (microbatch 0, layer 1), ...``."""
+    ordered = sorted(keys)
+    shown = [f"{name} (microbatch {mb}, layer {layer})" for mb, layer, name in ordered[:limit]]
+    more = len(ordered) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "")
 
 
 def leak_problems(case: Case, res: CaseRun) -> list[str]:
@@ -53,9 +120,14 @@ def leak_problems(case: Case, res: CaseRun) -> list[str]:
         problems.append(f"warmup flags per iteration {warmups}: only the first may be the warmup")
     for log in logs:
         if log.leaked_tensors or log.pool_in_use:
+            offloaded = [r.key for r in log.groups if r.d2h_copies]
             problems.append(
-                f"iteration {log.iteration}: {log.leaked_tensors} saved tensors never unpacked, "
-                f"{log.pool_in_use} pool buffers not returned"
+                f"step {log.iteration}: {log.leaked_tensors} saved tensors never unpacked, "
+                f"{log.pool_in_use} pool buffers not returned; groups offloaded in that step: "
+                + "; ".join(
+                    f"microbatch {mb}: {_group_list(keys)}"
+                    for mb, keys in sorted(_by_microbatch(offloaded).items())
+                )
             )
     allocated = [log.pool_allocated for log in logs[1:]]
     if len(set(allocated)) > 1:
@@ -70,15 +142,23 @@ def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[st
     if not any(e.bytes for e in res.expected.values()):
         return ["the prediction moves nothing in the final step: the case would prove nothing"]
     problems = []
+    final = f"step {case.steps - 1} (the final step)"
     if res.mismatches():
-        problems += ["profiler vs prediction:", *res.mismatches()]
+        problems += [f"profiler vs prediction in {final}:", *res.mismatches()]
     if res.log_mismatches():
-        problems += ["offloader log vs profiler:", *res.log_mismatches()]
+        problems += [f"offloader log vs profiler in {final}:", *res.log_mismatches()]
+    copied = [k for k, f in res.measured.items() if f["d2h_copies"] or f["h2d_copies"]]
     if res.counts.pageable:
-        problems.append(f"{res.counts.pageable} offload copies used pageable host memory")
+        problems.append(
+            f"{final}: {res.counts.pageable} offload copies used pageable host memory, among "
+            f"the copies of {_occurrences(copied)}"
+        )
     stray = {d: c for d, c in res.counts.unattributed.items() if c.copies}
     if device.type == "cuda" and stray:
-        problems.append(f"DtoH/HtoD memcpys outside any offload group range: {stray}")
+        problems.append(
+            f"{final}: DtoH/HtoD memcpys outside any offload group range: {stray}; the groups "
+            f"that copied in that step: {_occurrences(copied)}"
+        )
     return problems
 
 
@@ -87,7 +167,16 @@ def disabled_problems(res: CaseRun) -> list[str]:
     if not res.counts.totals()["d2h"].copies:
         return ["the enabled run moved nothing: the disabled comparison proves nothing"]
     if total(res.disabled) != Counts():
-        return [f"disabled offloader still copied: {res.disabled}"]
+        where = [
+            f"{key.direction} {key.name} (microbatch {key.microbatch}, layer {key.layer}): "
+            f"{c.copies} copies"
+            for key, c in sorted(res.disabled.by_range.items(), key=str)
+            if c.copies
+        ]
+        return [
+            "step 0 of the run with the offloader disabled still copied: "
+            + ("; ".join(where) or str(res.disabled))
+        ]
     return []
 
 
@@ -96,14 +185,28 @@ def fidelity_problems(case: Case, res: CaseRun, spec: ModelSpec) -> list[str]:
     selected = set(case.offload)
     predicted = {name for (_, _, name), e in res.expected.items() if e.copies}
     moved = res.moved_names()
+    moved_keys = [k for k, f in res.measured.items() if f["d2h_copies"]]
+    final = f"step {case.steps - 1} (the final step)"
     problems = []
     if not moved <= selected:
-        problems.append(f"unselected groups moved: {sorted(moved - selected)}")
+        unselected = [k for k in moved_keys if k[2] not in selected]
+        problems.append(
+            f"{final}: unselected groups moved: {sorted(moved - selected)}, in "
+            f"{_occurrences(unselected)}"
+        )
     if moved != predicted:
-        problems.append(f"groups moved {sorted(moved)}, predicted {sorted(predicted)}")
+        odd = [k for k in moved_keys if k[2] not in predicted]
+        odd += [k for k, e in res.expected.items() if e.copies and k[2] not in moved]
+        problems.append(
+            f"{final}: groups moved {sorted(moved)}, predicted {sorted(predicted)}; differing "
+            f"occurrences: {_occurrences(odd)}"
+        )
     fc1_alone = "moe_act" in selected and "expert_fc1" not in selected
     if spec.moe_path == "unfused" and fc1_alone and "expert_fc1" in moved:
-        problems.append("fc1's input moved although only moe_act is selected")
+        fc1 = [k for k in moved_keys if k[2] == "expert_fc1"]
+        problems.append(
+            f"{final}: fc1's input moved although only moe_act is selected, in {_occurrences(fc1)}"
+        )
     return problems
 
 
@@ -141,3 +244,21 @@ def _sizes(sizes: Counter[int], limit: int = 12) -> str:
     return ", ".join(f"{size}: {count}" for size, count in top) + (
         f" (+{more} more)" if more else ""
     )
+
+
+CheckFn = Callable[[Case, CaseRun, Environment], list[str]]
+
+CASE_CHECKS: dict[str, CheckFn] = {
+    "equivalence": lambda case, res, env: equivalence_problems(case, res),
+    "leaks": lambda case, res, env: leak_problems(case, res) if res.offload.logs else [],
+    "transfers": lambda case, res, env: transfer_problems(case, res, env.device),
+    "disabled": lambda case, res, env: disabled_problems(res),
+    "fidelity": lambda case, res, env: fidelity_problems(case, res, env.spec(case)),
+}
+"""The checks of one ``run_case`` result, by name, in the order the case tests run them (the
+memory check needs its own run: ``run_memory`` and ``memory_problems``)."""
+
+
+def case_problems(case: Case, res: CaseRun, env: Environment) -> dict[str, list[str]]:
+    """Every check of ``CASE_CHECKS`` on one result: check name -> problems."""
+    return {name: check(case, res, env) for name, check in CASE_CHECKS.items()}

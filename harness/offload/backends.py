@@ -1,22 +1,29 @@
-"""Backend selection: a name (``reference``, ``none``, ``hooks``) or ``package.module:factory``.
+"""Backend selection: a name (``reference``, ``none``, ``hooks``, ``broken.<name>``) or
+``package.module:factory``, optionally with race delays.
 
 A factory is any callable ``(config: OffloadConfig, device: torch.device) -> Offloader``
 (``harness.offload.protocol``). Resolution happens once, up front, so a bad name is a one-line
 ``ValueError`` before any model is built.
+
+Race provocation (CUDA only): ``<backend>+delays`` runs the reference offloader or a broken one
+with ``DEFAULT_RACE_DELAYS``; ``<backend>+delays:d2h=N,h2d=N,compute=N`` chooses the sleep
+cycles (``harness.offload.reference.RaceDelays``; about 2000 cycles per microsecond on an H200).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 
 import torch
 
+from harness.offload.broken import BROKEN, CATALOGUE, LONG_DELAY
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Offloader
 from harness.offload.recorder import RecordingOffloader
-from harness.offload.reference import OffloadContext
+from harness.offload.reference import OffloadContext, RaceDelays
 
 Factory = Callable[[OffloadConfig, torch.device], Offloader]
 
@@ -27,21 +34,69 @@ BUILTIN: dict[str, Factory] = {
 }
 """Built-in backends. ``none`` and ``hooks`` are the two baselines."""
 
-EXTRA: dict[str, str] = {}
+EXTRA: dict[str, str] = {
+    "mcore": "harness.offload.mcore:McoreOffloader",
+    "mcore.inline-wait": "harness.offload.mcore:with_inline_reload_wait",
+}
 """Further named backends provided by optional modules: name -> ``module:factory``."""
+
+DESCRIPTIONS: dict[str, str] = {
+    "reference": "the bundled reference offloader (Megatron-Core semantics, known bugs fixed)",
+    "none": "plain baseline: no offload machinery",
+    "hooks": "machinery baseline: groups and saved-tensor hooks, moving nothing; records",
+    **{entry.name: f"broken: {entry.description}" for entry in CATALOGUE},
+}
+"""One line per named backend, for ``offload-harness backends``."""
+
+DELAYS = "+delays"
+DEFAULT_RACE_DELAYS = RaceDelays(d2h=LONG_DELAY, h2d=LONG_DELAY)
+"""``<backend>+delays`` without values: both copy streams slowed by about 10 ms per group."""
 
 
 def backend_names() -> list[str]:
     """Every name ``resolve_backend`` accepts without an import path."""
-    return [*BUILTIN, *EXTRA]
+    return [*BUILTIN, *BROKEN, *EXTRA]
+
+
+def describe(name: str) -> str:
+    """A short description of a named backend."""
+    return DESCRIPTIONS.get(name) or f"optional backend ({EXTRA[name]})"
+
+
+def parse_race_delays(text: str) -> RaceDelays:
+    """``d2h=N,h2d=N,compute=N`` (any subset; missing ones are 0) -> ``RaceDelays``."""
+    values: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("d2h", "h2d", "compute") or key in values:
+            raise ValueError(
+                f"race delays {text!r}: expected d2h=N,h2d=N,compute=N (sleep cycles), each once"
+            )
+        try:
+            values[key] = int(value)
+        except ValueError:
+            raise ValueError(f"race delays {text!r}: {key}={value!r} is not an int") from None
+    if not values:
+        raise ValueError(f"race delays {text!r}: name at least one of d2h, h2d, compute")
+    return RaceDelays(**values)
+
+
+def with_delays(backend: str, delays: RaceDelays) -> str:
+    """The backend spelling that runs ``backend`` with ``delays``."""
+    return f"{backend}{DELAYS}:d2h={delays.d2h},h2d={delays.h2d},compute={delays.compute}"
 
 
 def resolve_backend(spec: str) -> Factory:
-    """The factory for a backend name or ``package.module:factory`` path."""
+    """The factory for a backend name or ``package.module:factory`` path (with ``+delays``)."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"backend must be a name ({', '.join(backend_names())}) or module:factory")
+    base, plus, tail = spec.partition(DELAYS)
+    if plus:
+        return _delayed(base, tail, spec)
     if spec in BUILTIN:
         return BUILTIN[spec]
+    if spec in BROKEN:
+        return BROKEN[spec]
     if spec in EXTRA:
         return _import_factory(EXTRA[spec], shown=spec)
     if ":" in spec:
@@ -49,6 +104,18 @@ def resolve_backend(spec: str) -> Factory:
     raise ValueError(
         f"unknown backend {spec!r}; known: {', '.join(backend_names())}, or package.module:factory"
     )
+
+
+def _delayed(base: str, tail: str, shown: str) -> Factory:
+    if tail and not tail.startswith(":"):
+        raise ValueError(f"backend {shown!r}: write {base}+delays or {base}+delays:d2h=N,h2d=N")
+    delays = parse_race_delays(tail[1:]) if tail else DEFAULT_RACE_DELAYS
+    factory = resolve_backend(base)
+    if not (isinstance(factory, type) and issubclass(factory, OffloadContext)):
+        raise ValueError(
+            f"backend {shown!r}: race delays apply to the reference offloader and broken.* only"
+        )
+    return functools.partial(factory, delays=delays)
 
 
 def _import_factory(path: str, *, shown: str) -> Factory:
