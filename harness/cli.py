@@ -3,10 +3,14 @@
     offload-harness run                       # default matrix on the best device, report
     offload-harness run --case ID             # one case of the table
     offload-harness run --pattern +E-- --offload core_attn,moe_act --schedule 1f1b
+    offload-harness run --update-golden       # rewrite the golden baseline traces
+    offload-harness repro --case ID [--bisect]   # reproduce one case, localise a divergence
     offload-harness cases [--matrix full]     # the case ids
     offload-harness backends                  # backend names
 
-Bad input is one line on stderr and exit code 2; a failing case is exit code 1.
+A run writes ``<--report-dir>/<UTC time>_<sha>[_dirty]/``: summary.json, junit.xml, index.html
+and plots. Bad input is one line on stderr and exit code 2; a failing case (or a divergence
+under ``repro``) is exit code 1.
 """
 
 from __future__ import annotations
@@ -24,19 +28,22 @@ from typing import Any, NoReturn
 
 import torch
 
-from harness.cases import MATRICES, MODEL_SIZES, Case, find_case, matrix
-from harness.checks import (
-    disabled_problems,
-    equivalence_problems,
-    fidelity_problems,
-    leak_problems,
-    memory_problems,
-    transfer_problems,
-)
+from harness import golden
+from harness.cases import FAMILIES, MATRICES, MODEL_SIZES, Case, find_case, matrix, model_spec
+from harness.checks import case_problems, memory_problems
 from harness.execute import Environment, run_case, run_memory
+from harness.html import render_index
 from harness.offload.backends import backend_names, resolve_backend
-from harness.report import case_record, memory_record, run_folder, verdict_table, write_summary
-from harness.spec import PRECISIONS, SCHEDULES, parse_pattern
+from harness.report import (
+    case_record,
+    memory_record,
+    run_folder,
+    verdict_table,
+    write_junit,
+    write_summary,
+)
+from harness.repro import ReproSpec, reproduce
+from harness.spec import PRECISIONS, PRESETS, SCHEDULES, parse_pattern, preset
 
 
 class UsageError(Exception):
@@ -52,27 +59,58 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="offload-harness", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run cases and write a report")
-    run.add_argument("--backend", default="reference", help="name or package.module:factory")
-    run.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    _where_flags(run)
     run.add_argument("--matrix", default="default", choices=tuple(MATRICES))
-    run.add_argument("--model-size", default="auto", choices=("auto", *MODEL_SIZES))
-    run.add_argument("--report-dir", default="reports", help="parent folder of the run's report")
     run.add_argument("--case", help="run only this case id (see `offload-harness cases`)")
     run.add_argument(
         "--jobs", type=int, help="worker processes on CPU (default: one per core; CUDA: 1)"
     )
-    custom = run.add_argument_group("one custom case (instead of the matrix)")
-    custom.add_argument("--pattern", help="layer pattern, e.g. +-+-+-")
-    custom.add_argument("--offload", help="comma-separated group names, e.g. core_attn,attn_proj")
-    custom.add_argument("--steps", type=int, default=6)
-    custom.add_argument("--microbatches", type=int, default=2)
-    custom.add_argument("--schedule", default="sequential", choices=SCHEDULES)
-    custom.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    custom.add_argument("--max-inflight", default="1", help="int >= 0, or none")
+    run.add_argument(
+        "--update-golden",
+        action="store_true",
+        help="rewrite the golden baseline traces of the cases run (cases/golden/<device kind>/)",
+    )
+    _case_flags(run.add_argument_group("one custom case (instead of the matrix)"))
+    repro = sub.add_parser("repro", help="reproduce one case: loss table, first divergence")
+    _where_flags(repro)
+    repro.add_argument("--case", help="a case id; the flags below override its fields")
+    _case_flags(repro.add_argument_group("a custom case (or overrides of --case)"))
+    repro.add_argument("--preset", choices=tuple(PRESETS), help="model preset of a custom case")
+    repro.add_argument("--seed", type=int, help="seed of model and data (default: 1234)")
+    repro.add_argument(
+        "--bisect", action="store_true", help="on divergence, find the smallest groups/layers"
+    )
     listing = sub.add_parser("cases", help="list case ids")
     listing.add_argument("--matrix", default="default", choices=tuple(MATRICES))
     sub.add_parser("backends", help="list backend names")
     return parser
+
+
+def _where_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="reference", help="name or package.module:factory")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--model-size", default="auto", choices=("auto", *MODEL_SIZES))
+    parser.add_argument("--report-dir", default="reports", help="parent of the report folder")
+
+
+def _case_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--pattern", help="layer pattern, e.g. +-+-+-")
+    group.add_argument("--offload", help="comma-separated group names, e.g. core_attn,attn_proj")
+    group.add_argument("--steps", type=int, help=f"default {_DEFAULTS['steps']}")
+    group.add_argument("--microbatches", type=int, help=f"default {_DEFAULTS['microbatches']}")
+    group.add_argument("--schedule", choices=SCHEDULES, help=f"default {_DEFAULTS['schedule']}")
+    group.add_argument("--precision", choices=PRECISIONS, help=f"default {_DEFAULTS['precision']}")
+    group.add_argument("--max-inflight", help="int >= 0, or none (default 1)")
+
+
+_DEFAULTS: dict[str, Any] = {
+    "steps": 6,
+    "microbatches": 2,
+    "schedule": "sequential",
+    "precision": "fp32",
+    "max_inflight": 1,
+}
+"""Custom-case values when a flag is not given."""
 
 
 def _device(value: str) -> torch.device:
@@ -85,25 +123,36 @@ def _device(value: str) -> torch.device:
     return torch.device(value)
 
 
-def _custom_case(args: argparse.Namespace) -> Case:
-    if not args.pattern or not args.offload:
-        raise UsageError("a custom case needs both --pattern and --offload")
-    parse_pattern(args.pattern)
-    names = tuple(n.strip() for n in args.offload.split(",") if n.strip())
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The case fields the flags set explicitly."""
+    out = {
+        k: getattr(args, k)
+        for k in ("steps", "microbatches", "schedule", "precision")
+        if getattr(args, k) is not None
+    }
+    if args.max_inflight is not None:
+        value = args.max_inflight
+        out["max_inflight"] = None if value == "none" else _int("--max-inflight", value)
+    return out
+
+
+def _family(pattern: str, names: tuple[str, ...]) -> str:
     if "fused_group_mlp" in names:
-        family = "moe-fused"
-    else:
-        family = "hybrid-moe" if "E" in args.pattern else "hybrid"
-    inflight = None if args.max_inflight == "none" else _int("--max-inflight", args.max_inflight)
+        return "moe-fused"
+    return "hybrid-moe" if "E" in pattern else "hybrid"
+
+
+def _custom_case(args: argparse.Namespace, pattern: str | None = None) -> Case:
+    pattern = pattern or args.pattern
+    if not pattern or not args.offload:
+        raise UsageError("a custom case needs both --pattern and --offload")
+    parse_pattern(pattern)
+    names = tuple(n.strip() for n in args.offload.split(",") if n.strip())
     return Case(
-        family=family,
+        family=_family(pattern, names),
         offload=names,
-        custom_pattern=args.pattern,
-        steps=args.steps,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
-        precision=args.precision,
-        max_inflight=inflight,
+        custom_pattern=pattern,
+        **{**_DEFAULTS, **_overrides(args)},
     )
 
 
@@ -124,22 +173,25 @@ def _select(args: argparse.Namespace) -> list[Case]:
     return matrix(args.matrix)
 
 
-def _run_one(case: Case, env: Environment) -> dict[str, Any]:
-    spec = env.spec(case)
+def _run_one(case: Case, env: Environment, update_golden: bool = False) -> dict[str, Any]:
     res = run_case(case, env)
-    problems = [
-        *equivalence_problems(case, res),
-        *(leak_problems(case, res) if res.offload.logs else []),
-        *transfer_problems(case, res, env.device),
-        *disabled_problems(res),
-        *fidelity_problems(case, res, spec),
-    ]
+    problems = [p for found in case_problems(case, res, env).values() for p in found]
     record = case_record(res)
     if env.device.type == "cuda":
         memory = run_memory(case, env)
         record.update(memory_record(memory))
         problems += memory_problems(memory)
-    record.update(name=case.name, verdict="fail" if problems else "pass", problems=problems)
+    kind = golden.device_kind(env.device, env.model_size)
+    check = golden.update if update_golden else golden.check
+    outcome = check(case.name, res.plain.losses, kind)
+    if not outcome.ok:
+        problems.append(f"golden: {outcome.message}")
+    record.update(
+        name=case.name,
+        verdict="fail" if problems else "pass",
+        problems=problems,
+        golden=outcome.record(),
+    )
     return record
 
 
@@ -153,7 +205,9 @@ def _jobs(value: int | None, device: torch.device, cases: int) -> int:
     return min(value or os.cpu_count() or 1, cases)
 
 
-def _run_all(cases: list[Case], env: Environment, jobs: int) -> list[dict[str, Any]]:
+def _run_all(
+    cases: list[Case], env: Environment, jobs: int, update_golden: bool = False
+) -> list[dict[str, Any]]:
     """Run every case (in ``jobs`` worker processes on CPU), printing a line as each ends;
     records come back in table order."""
     records: list[dict[str, Any] | None] = [None] * len(cases)
@@ -162,6 +216,7 @@ def _run_all(cases: list[Case], env: Environment, jobs: int) -> list[dict[str, A
     def report(index: int, record: dict[str, Any], seconds: float) -> None:
         nonlocal done
         done += 1
+        record["duration"] = round(seconds, 3)
         records[index] = record
         print(
             f"[{done}/{len(cases)}] {cases[index].name} {record['verdict']} ({seconds:.1f}s)",
@@ -171,13 +226,15 @@ def _run_all(cases: list[Case], env: Environment, jobs: int) -> list[dict[str, A
     if jobs == 1:
         for index, case in enumerate(cases):
             began = time.perf_counter()
-            report(index, _run_one(case, env), time.perf_counter() - began)
+            report(index, _run_one(case, env, update_golden), time.perf_counter() - began)
         return records  # type: ignore[return-value]
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
         jobs, mp_context=context, initializer=_worker_init, initargs=(jobs,)
     ) as pool:
-        futures = {pool.submit(_timed_case, case, env): i for i, case in enumerate(cases)}
+        futures = {
+            pool.submit(_timed_case, case, env, update_golden): i for i, case in enumerate(cases)
+        }
         for future in as_completed(futures):
             record, seconds = future.result()
             report(futures[future], record, seconds)
@@ -190,12 +247,12 @@ def _worker_init(jobs: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // jobs))
 
 
-def _timed_case(case: Case, env: Environment) -> tuple[dict[str, Any], float]:
+def _timed_case(case: Case, env: Environment, update_golden: bool) -> tuple[dict[str, Any], float]:
     began = time.perf_counter()
-    return _run_one(case, env), time.perf_counter() - began
+    return _run_one(case, env, update_golden), time.perf_counter() - began
 
 
-def command_run(args: argparse.Namespace) -> int:
+def _environment(args: argparse.Namespace) -> Environment:
     try:
         resolve_backend(args.backend)
     except ValueError as exc:
@@ -206,26 +263,38 @@ def command_run(args: argparse.Namespace) -> int:
         if args.model_size != "auto"
         else ("small" if device.type == "cuda" else "tiny")
     )
-    env = Environment(device=device, backend=args.backend, model_size=size)
+    return Environment(device=device, backend=args.backend, model_size=size)
+
+
+def command_run(args: argparse.Namespace) -> int:
+    env = _environment(args)
     try:
         cases = _select(args)
         for case in cases:
             env.spec(case)  # every selected case applies to its model, before any run
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    jobs = _jobs(args.jobs, device, len(cases))
+    table = {c.name for name in MATRICES for c in matrix(name)}
+    if args.update_golden and any(c.name not in table for c in cases):
+        raise UsageError("--update-golden: golden traces are kept for case-table rows only")
+    jobs = _jobs(args.jobs, env.device, len(cases))
     start = time.perf_counter()
-    records = _run_all(cases, env, jobs)
+    records = _run_all(cases, env, jobs, args.update_golden)
     folder = run_folder(Path(args.report_dir))
     path = write_summary(
         folder,
         records,
         backend=args.backend,
-        device=str(device),
-        model_size=size,
+        device=str(env.device),
+        matrix=args.matrix if not (args.case or args.pattern or args.offload) else None,
+        model_size=env.model_size,
         seconds=round(time.perf_counter() - start, 2),
     )
     summary = json.loads(path.read_text())
+    write_junit(folder, summary)
+    began = time.perf_counter()
+    index = render_index(folder)
+    rendered = time.perf_counter() - began
     print()
     print(verdict_table(summary))
     for case in summary["cases"]:
@@ -235,9 +304,55 @@ def command_run(args: argparse.Namespace) -> int:
     failed = sum(c["verdict"] != "pass" for c in summary["cases"])
     print(
         f"\n{len(cases) - failed}/{len(cases)} cases passed in {summary['seconds']:.1f}s; "
-        f"report: {path}"
+        f"report: {index} (rendered in {rendered:.1f}s)"
     )
     return 1 if failed else 0
+
+
+def _repro_spec(args: argparse.Namespace) -> ReproSpec:
+    env = _environment(args)
+    try:
+        if args.case:
+            if args.pattern or args.offload or args.preset:
+                raise UsageError("--case and --pattern/--preset/--offload are exclusive")
+            case = find_case(args.case).replace(**_overrides(args))
+            model = env.spec(case)
+        elif args.preset:
+            model = preset(args.preset)
+            if args.pattern:
+                model = model.replace(pattern=args.pattern)
+            case = _custom_case(args, model.pattern).replace(family=_preset_family(args.preset))
+            case.offload_config().check_applies_to(model)
+        else:
+            case = _custom_case(args)
+            model = env.spec(case)
+        run = case.run_spec() if args.seed is None else case.run_spec(seed=args.seed)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return ReproSpec(
+        case=case,
+        model=model,
+        run=run,
+        backend=env.backend,
+        device=env.device,
+        model_size=env.model_size,
+        preset=args.preset or None,
+        from_case=args.case or None,
+    )
+
+
+def _preset_family(name: str) -> str:
+    for family in FAMILIES:
+        for size in MODEL_SIZES:
+            if model_spec(family, size) == preset(name):
+                return family
+    raise UsageError(f"--preset {name}: no case family uses this preset")
+
+
+def command_repro(args: argparse.Namespace) -> int:
+    spec = _repro_spec(args)
+    result = reproduce(spec, bisect=args.bisect, report_root=Path(args.report_dir))
+    return 1 if result.diverged else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -249,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "backends":
             print("\n".join(backend_names()))
             return 0
+        if args.command == "repro":
+            return command_repro(args)
         return command_run(args)
     except UsageError as exc:
         print(f"offload-harness: error: {exc}", file=sys.stderr)

@@ -1,0 +1,316 @@
+"""Reproducing a mismatch: run the plain baseline, the hooks baseline and the offload run of one
+case, print the loss table and the first divergence; on divergence name the first parameter
+gradient and the first layer output that differ and tell a graph change from a transport bug;
+optionally bisect (``harness.bisect``); write a bundle to rerun it.
+
+The bundle, ``<report folder>/repro/``: ``spec.json`` (case, model spec, run spec, backend,
+device), ``baseline.txt`` and ``offload.txt`` (loss traces, one ``step microbatch loss`` line
+each, floats with ``repr``), ``command.txt`` (the exact command line) and ``output.txt`` (what
+was printed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shlex
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from harness.bisect import Bisector
+from harness.cases import Case
+from harness.compare import first_divergence, first_tensor_difference, loss_table, verdict
+from harness.golden import trace_text
+from harness.models.hybrid import HybridModel
+from harness.offload.backends import resolve_backend
+from harness.offload.passthrough import NoOffload
+from harness.offload.protocol import Offloader
+from harness.report import run_folder
+from harness.spec import ModelSpec, RunSpec
+from harness.train import RunHooks, TrainResult, schedule_order, train
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReproSpec:
+    """Everything that fixes a reproduction."""
+
+    case: Case
+    model: ModelSpec
+    run: RunSpec
+    backend: str
+    device: torch.device
+    model_size: str
+    preset: str | None = None
+    """Model preset named on the command line (custom cases); None: the case family's."""
+    from_case: str | None = None
+    """The case id it was taken from (``--case``); None for a custom case."""
+
+    def command(self, *, bisect: bool = False) -> list[str]:
+        """The fully explicit command line that reruns this reproduction."""
+        argv = ["offload-harness", "repro"]
+        if self.from_case is not None:
+            argv += ["--case", self.from_case]
+        else:
+            inflight = self.case.max_inflight
+            argv += ["--preset", self.preset or "", "--pattern", self.model.pattern]
+            argv += ["--offload", ",".join(self.case.offload)]
+            argv += ["--max-inflight", "none" if inflight is None else str(inflight)]
+        argv += ["--steps", str(self.run.steps), "--microbatches", str(self.run.microbatches)]
+        argv += ["--schedule", self.run.schedule, "--precision", self.run.precision]
+        argv += ["--seed", str(self.run.seed), "--backend", self.backend]
+        argv += ["--device", self.device.type, "--model-size", self.model_size]
+        return [*argv, "--bisect"] if bisect else argv
+
+    def to_json(self) -> dict[str, Any]:
+        case = {
+            f.name: getattr(self.case, f.name)
+            for f in dataclasses.fields(self.case)
+            if f.name != "marks"
+        }
+        return {
+            "case_id": self.case.name,
+            "case": case,
+            "model": dataclasses.asdict(self.model),
+            "run": dataclasses.asdict(self.run),
+            "backend": self.backend,
+            "device": str(self.device),
+            "model_size": self.model_size,
+            "preset": self.preset,
+            "torch": torch.__version__,
+        }
+
+
+# --------------------------------------------------------------------------------- the runs
+
+
+def _progress(label: str, steps: int) -> tuple[RunHooks, Callable[[], None]]:
+    """Run hooks that advance a tqdm bar once per step, and the bar's closer."""
+    bar = tqdm(total=steps, desc=f"{label:>8}", unit="step", leave=False, dynamic_ncols=True)
+
+    @contextlib.contextmanager
+    def step_context(step: int) -> Iterator[None]:
+        yield
+        bar.update(1)
+
+    return RunHooks(step_context=step_context), bar.close
+
+
+def _train(
+    spec: ReproSpec, offloader: Offloader, label: str, *, keep: bool, run: RunSpec | None = None
+) -> TrainResult:
+    run = run or spec.run
+    hooks, close = _progress(label, run.steps)
+    try:
+        return train(
+            spec.model,
+            run,
+            offloader,
+            spec.device,
+            hooks=hooks,
+            keep_grads=keep,
+            keep_final_state=keep,
+            sharding=spec.case.sharding,
+        )
+    finally:
+        close()
+        offloader.close()
+
+
+def _backend(spec: ReproSpec) -> Offloader:
+    return resolve_backend(spec.backend)(spec.case.offload_config(), spec.device)
+
+
+def _hooks_backend(spec: ReproSpec) -> Offloader:
+    return resolve_backend("hooks")(spec.case.offload_config(), spec.device)
+
+
+# ------------------------------------------------------------------------- layer outputs
+
+
+@contextlib.contextmanager
+def capture_layer_outputs(
+    step: int, microbatch: int, schedule: list[tuple[str, int]]
+) -> Iterator[dict[str, torch.Tensor]]:
+    """While active, record every layer's output (``layers.<i>``, ``final_norm``, ``logits``)
+    of the forward of (``step``, ``microbatch``), as CPU fp32 copies. Global module hooks, so
+    the runner needs no change; the normal runs never have them."""
+    forwards = [mb for kind, mb in schedule if kind == "F"]
+    seen: dict[str, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    calls = [0]
+    target = [False]
+
+    def pre_hook(module: torch.nn.Module, args: Any) -> None:
+        if isinstance(module, HybridModel):
+            index = calls[0]
+            calls[0] += 1
+            in_step = index // len(forwards) == step
+            target[0] = in_step and forwards[index % len(forwards)] == microbatch
+            if target[0] and not names:
+                names.update({id(m): f"layers.{i}" for i, m in enumerate(module.layers)})
+                names[id(module.final_norm)] = "final_norm"
+                names[id(module)] = "logits"
+
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        name = names.get(id(module)) if target[0] else None
+        if name is not None:
+            first = output[0] if isinstance(output, tuple | list) else output
+            seen[name] = first.detach().float().cpu().clone()
+
+    handles = [
+        torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
+        torch.nn.modules.module.register_module_forward_hook(hook),
+    ]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def first_layer_difference(spec: ReproSpec, step: int, microbatch: int) -> tuple[str, float] | None:
+    """Re-run baseline and offload up to ``step`` with layer hooks; the first layer output of
+    (step, microbatch), in forward order, that is not bitwise equal (name, max |diff|)."""
+    run = spec.run.replace(steps=step + 1)
+    schedule = schedule_order(run.schedule, run.microbatches)
+    with capture_layer_outputs(step, microbatch, schedule) as base:
+        _train(spec, NoOffload(), "baseline", keep=False, run=run)
+    with capture_layer_outputs(step, microbatch, schedule) as off:
+        _train(spec, _backend(spec), "offload", keep=False, run=run)
+    return first_tensor_difference(base, off)
+
+
+# ---------------------------------------------------------------------------------- repro
+
+
+def _first_grad_difference(a: TrainResult, b: TrainResult) -> tuple[int, str, float] | None:
+    for step, (ga, gb) in enumerate(zip(a.grads, b.grads, strict=True)):
+        found = first_tensor_difference(ga, gb)
+        if found is not None:
+            return (step, *found)
+    return None
+
+
+@dataclass(kw_only=True)
+class ReproResult:
+    """What a reproduction found."""
+
+    diverged: bool
+    lines: list[str]
+    """The printed report."""
+    bundle: Path | None = None
+
+
+def reproduce(
+    spec: ReproSpec,
+    *,
+    bisect: bool = False,
+    report_root: Path = Path("reports"),
+    out: Callable[[str], None] = print,
+) -> ReproResult:
+    """Run, compare, localise, write the bundle; every report line also goes to ``out``."""
+    lines: list[str] = []
+
+    def say(text: str) -> None:
+        lines.append(text)
+        out(text)
+
+    say(f"case {spec.case.name} (backend {spec.backend}, {spec.device}, seed {spec.run.seed})")
+    plain = _train(spec, NoOffload(), "baseline", keep=True)
+    hooks = _train(spec, _hooks_backend(spec), "hooks", keep=False)
+    offload = _train(spec, _backend(spec), "offload", keep=True)
+    say(loss_table(plain.losses, offload.losses))
+    tolerance = spec.case.tolerance
+    divergence = first_divergence(plain.losses, offload.losses, tolerance)
+    say(f"first divergence: {divergence if divergence is not None else 'none'}")
+    grad = _first_grad_difference(plain, offload)
+    weights = first_tensor_difference(plain.final_state, offload.final_state)
+    diverged = divergence is not None or grad is not None or weights is not None
+    if diverged:
+        say(_grad_line(grad))
+        if weights is not None:
+            say(f"first final weight that differs: {weights[0]} (max |diff| {weights[1]:.3e})")
+        if divergence is not None:
+            layer = first_layer_difference(spec, divergence.step, divergence.microbatch)
+            say(_layer_line(layer, divergence.step, divergence.microbatch))
+            if grad is not None and grad[0] < divergence.step:
+                say(
+                    f"  (step {grad[0]}'s gradients already differ, so the weights entering step "
+                    f"{divergence.step} differ and so does every layer from the first: look at "
+                    "the backward side - reloads, saved tensors)"
+                )
+        say(_baselines_line(plain, hooks, offload, tolerance))
+    if bisect and diverged:
+        bisector = Bisector(
+            spec=spec.model,
+            run=spec.run,
+            config=spec.case.offload_config(),
+            make_offloader=lambda config: resolve_backend(spec.backend)(config, spec.device),
+            device=spec.device,
+            baseline=plain,
+            tolerance=tolerance,
+            sharding=spec.case.sharding,
+        )
+        with tqdm(desc="  bisect", unit="run", leave=False) as bar:
+            bisector.on_probe = lambda _: bar.update(1)
+            found = bisector.search()
+        for line in found.lines():
+            say(f"bisect: {line}")
+    elif bisect:
+        say("bisect: nothing diverges, nothing to bisect")
+    bundle = write_bundle(spec, plain, offload, lines, report_root, bisect=bisect)
+    out(f"repro bundle: {bundle}")
+    return ReproResult(diverged=diverged, lines=lines, bundle=bundle)
+
+
+def _grad_line(grad: tuple[int, str, float] | None) -> str:
+    if grad is None:
+        return "first parameter gradient that differs: none (every step's gradients are equal)"
+    step, name, diff = grad
+    return f"first parameter gradient that differs: step {step}, {name} (max |diff| {diff:.3e})"
+
+
+def _layer_line(layer: tuple[str, float] | None, step: int, mb: int) -> str:
+    where = f"step {step} microbatch {mb}"
+    if layer is None:
+        return f"first layer output that differs at {where}: none (only the loss differs)"
+    return f"first layer output that differs at {where}: {layer[0]} (max |diff| {layer[1]:.3e})"
+
+
+def _baselines_line(
+    plain: TrainResult, hooks: TrainResult, offload: TrainResult, tolerance: float
+) -> str:
+    agree = first_divergence(plain.losses, hooks.losses, tolerance) is None
+    kind = verdict(plain.losses, hooks.losses, offload.losses, tolerance).kind
+    cause = {
+        "graph_change": "graph change (the offload machinery changes the computation)",
+        "transport": "transport bug (the copies corrupt data)",
+    }.get(kind, kind)
+    state = "agree" if agree else "differ"
+    return f"plain and hooks baselines {state}: {cause}"
+
+
+def write_bundle(
+    spec: ReproSpec,
+    plain: TrainResult,
+    offload: TrainResult,
+    lines: list[str],
+    report_root: Path,
+    *,
+    bisect: bool = False,
+) -> Path:
+    """``<new report folder>/repro/`` with spec.json, both traces, command.txt, output.txt."""
+    bundle = run_folder(report_root) / "repro"
+    bundle.mkdir()
+    (bundle / "spec.json").write_text(json.dumps(spec.to_json(), indent=2, default=str) + "\n")
+    (bundle / "baseline.txt").write_text(trace_text(plain.losses))
+    (bundle / "offload.txt").write_text(trace_text(offload.losses))
+    (bundle / "command.txt").write_text(shlex.join(spec.command(bisect=bisect)) + "\n")
+    (bundle / "output.txt").write_text("\n".join(lines) + "\n")
+    return bundle
