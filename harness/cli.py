@@ -6,7 +6,7 @@
     offload-harness run --update-golden       # rewrite the golden baseline traces
     offload-harness repro --case ID [--bisect]   # reproduce one case, localise a divergence
     offload-harness cases [--matrix full]     # the case ids
-    offload-harness backends                  # backend names
+    offload-harness backends                  # backend names and descriptions
 
 A run writes ``<--report-dir>/<UTC time>_<sha>[_dirty]/``: summary.json, junit.xml, index.html
 and plots. Bad input is one line on stderr and exit code 2; a failing case (or a divergence
@@ -33,7 +33,7 @@ from harness.cases import FAMILIES, MATRICES, MODEL_SIZES, Case, find_case, matr
 from harness.checks import case_problems, memory_problems
 from harness.execute import Environment, run_case, run_memory
 from harness.html import render_index
-from harness.offload.backends import backend_names, resolve_backend
+from harness.offload.backends import backend_names, describe, resolve_backend
 from harness.report import (
     case_record,
     memory_record,
@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     listing = sub.add_parser("cases", help="list case ids")
     listing.add_argument("--matrix", default="default", choices=tuple(MATRICES))
-    sub.add_parser("backends", help="list backend names")
+    sub.add_parser("backends", help="list backend names, one line each with a description")
     return parser
 
 
@@ -362,7 +362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(c.name for c in matrix(args.matrix)))
             return 0
         if args.command == "backends":
-            print("\n".join(backend_names()))
+            names = backend_names()
+            width = max(map(len, names))
+            print("\n".join(f"{name:<{width}}  {describe(name)}" for name in names))
             return 0
         if args.command == "repro":
             return command_repro(args)

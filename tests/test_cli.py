@@ -162,7 +162,9 @@ def test_cases_full_lists_the_full_matrix(capsys: pytest.CaptureFixture[str]) ->
 
 def test_backends_lists_the_builtins(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["backends"]) == 0
-    assert _stdout_lines(capsys)[:3] == ["reference", "none", "hooks"]
+    lines = _stdout_lines(capsys)
+    assert [line.split()[0] for line in lines[:3]] == ["reference", "none", "hooks"]
+    assert all(len(line.split(maxsplit=1)) == 2 for line in lines), "a line lacks a description"
 
 
 # ----------------------------------------------------------------------------------- real runs
