@@ -42,7 +42,7 @@ LONG_DELAY = 20_000_000
 
 NO_DELAYS = RaceDelays()
 
-CHECKS = ("equivalence", "leaks", "transfers", "disabled", "fidelity", "memory")
+CHECKS = ("equivalence", "leaks", "transfers", "disabled", "fidelity", "memory", "sync")
 """Check names (``harness.checks``) a catalogue entry can name as its catcher."""
 
 
@@ -496,9 +496,9 @@ class HostSync(OffloadContext):
     the class PyTorch's ``CudaSyncGuard`` test and the harness's sync-guard case look for).
 
     CUDA: every offloaded commit reads a device scalar, so the host waits for the compute
-    stream (and its 4-byte DtoH memcpy lies outside every group range). For issue 9's
-    no-host-sync check; today the transfer check's stray-memcpy count catches it on CUDA. CPU
-    has no device to wait for, so the class cannot show there.
+    stream (and its 4-byte DtoH memcpy lies outside every group range). Caught on CUDA by the
+    no-host-sync case (``cases/test_sync.py``) and by the transfer check's stray-memcpy count.
+    CPU has no device to wait for, so the class cannot show there.
     """
 
     name = "broken.host_sync"
@@ -564,7 +564,7 @@ class BrokenBackend:
 
     @property
     def description(self) -> str:
-        return f"{self.bug_class} ({self.reference})"
+        return f"{self.bug_class} - {self.reference}"
 
 
 # Default-matrix case ids the catalogue names (tests/test_broken.py checks they exist).
@@ -670,7 +670,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         bug_class="host synchronisation per group in the commit path",
         reference="PyTorch CudaSyncGuard test; issue 9 sync guard",
         cpu=False,
-        catchers=(("transfers", SEED),),
+        catchers=(("sync", SEED), ("transfers", SEED)),
     ),
     BrokenBackend(
         factory=CorruptReload,
