@@ -7,30 +7,15 @@ pageable host memory; only selected groups may move."""
 
 from __future__ import annotations
 
-import pytest
-
 from harness.cases import Case
 from harness.checks import disabled_problems, fidelity_problems, transfer_problems
 from harness.distributed import collective_problems
 from harness.execute import CaseRun, Environment, run_case
 
-# Under FSDP2 a layer's unsharded parameters are freed (``storage.resize_(0)``) after its
-# forward, but the reference offloader and the hooks recorder keep not-offloadable marks keyed by
-# storage address forever: an activation allocated later at a freed parameter's address is taken
-# for a parameter, differently in the recorded and the offload run. Until both check that a
-# marked storage still lives at its address, ZeRO-3 transfer counts may differ from the
-# prediction; the loss/gradient/weight equivalence is unaffected.
-ZERO3_STALE_MARKS = (
-    "known: harness/offload reference+recorder keep stale not-offloadable marks of storages "
-    "FSDP2 freed (fix pending there)"
-)
-
 
 def test_transfer_counts(case: Case, case_result, environment: Environment) -> None:
     res: CaseRun = case_result(run_case, case)
     problems = collective_problems(transfer_problems(case, res, environment.device))
-    if problems and case.sharding == "zero3":
-        pytest.xfail(f"{ZERO3_STALE_MARKS}:\n" + "\n".join(problems))
     assert not problems, "\n".join(problems)
 
 

@@ -172,10 +172,22 @@ class RecordingOffloader:
             storage_id=self._storages.setdefault(ptr, len(self._storages)),
             contiguous=tensor.is_contiguous(),
             on_device=_same_device(tensor.device, self.device),
-            parameter=isinstance(tensor, torch.nn.Parameter) or ptr in self._marked,
+            parameter=isinstance(tensor, torch.nn.Parameter) or self._is_marked(ptr),
             marked_itself=isinstance(tensor, torch.nn.Parameter)
             or any(tensor is t for t in self._marked.values()),
         )
+
+    def _is_marked(self, ptr: int) -> bool:
+        """A mark counts while the marked storage still lives at ``ptr`` (FSDP2 frees unsharded
+        parameters after each layer's forward; an activation may reuse the address)."""
+        marked = self._marked.get(ptr)
+        if marked is None:
+            return False
+        storage = marked.untyped_storage()
+        if storage.data_ptr() == ptr and storage.nbytes():
+            return True
+        del self._marked[ptr]
+        return False
 
     def end_iteration(self) -> None:
         if any(o is None for o in self.observations):

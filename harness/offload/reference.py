@@ -431,8 +431,22 @@ class OffloadContext:
             and numel >= self.config.min_offloaded_tensor_size
             and not getattr(tensor, "_do_not_offload", False)
             and not getattr(tensor, "_TE_do_not_offload", False)
-            and _storage_key(tensor) not in self._marked
+            and not self._is_marked(tensor)
         )
+
+    def _is_marked(self, tensor: torch.Tensor) -> bool:
+        """A mark counts while the marked tensor's storage still lives at the marked address:
+        FSDP2 frees a layer's unsharded parameters after its forward, and a later activation may
+        be allocated at the same address."""
+        key = _storage_key(tensor)
+        marked = self._marked.get(key)
+        if marked is None:
+            return False
+        storage = marked.untyped_storage()
+        if storage.data_ptr() == key[1] and storage.nbytes():
+            return True
+        del self._marked[key]
+        return False
 
     def _commit_forward(self, group: _Group, release: tuple[torch.Tensor, ...]) -> None:
         group.tracked = len(group.entries)
