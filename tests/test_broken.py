@@ -1,0 +1,263 @@
+"""The broken-offloader catalogue (``harness.offload.broken``): each broken backend deviates
+from the reference offloader in its intended way on a tiny model, and only there; the catalogue
+is consistent with the backend registry and the default matrix; race-delay spellings resolve.
+
+Runs are 2-3 steps of ``-tiny`` presets on CPU. What a class needs to show (1F1B, a third
+microbatch, a no-grad pass first, a spanning group) is built here directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from harness.cases import default_matrix
+from harness.models.hybrid import build_model, make_batches
+from harness.offload import broken
+from harness.offload.backends import (
+    DEFAULT_RACE_DELAYS,
+    backend_names,
+    describe,
+    parse_race_delays,
+    resolve_backend,
+    with_delays,
+)
+from harness.offload.config import OffloadConfig
+from harness.offload.passthrough import NoOffload
+from harness.offload.protocol import IterationLog
+from harness.offload.reference import OffloadContext, RaceDelays
+from harness.spec import RunSpec, preset
+from harness.train import TrainResult, train
+
+CPU = torch.device("cpu")
+SEED_NAMES = ("core_attn", "attn_proj")
+ATTENTION = ("attn_norm", "qkv_linear", "core_attn", "attn_proj")
+
+
+def _config(names: tuple[str, ...], inflight: int | None = 1) -> OffloadConfig:
+    return OffloadConfig(
+        offload_modules=names, min_offloaded_tensor_size=1024, max_inflight_offloads=inflight
+    )
+
+
+@functools.cache
+def _plain(family: str, steps: int, microbatches: int, schedule: str) -> torch.Tensor:
+    run = RunSpec(steps=steps, microbatches=microbatches, schedule=schedule, precision="fp32")
+    return train(preset(family), run, NoOffload(), CPU).losses
+
+
+def _run(
+    factory: Callable[[OffloadConfig, torch.device], OffloadContext],
+    config: OffloadConfig,
+    *,
+    family: str = "hybrid-tiny",
+    steps: int = 2,
+    microbatches: int = 2,
+    schedule: str = "sequential",
+) -> tuple[TrainResult, torch.Tensor]:
+    """(offload run, plain baseline losses) of the same spec and seed."""
+    run = RunSpec(steps=steps, microbatches=microbatches, schedule=schedule, precision="fp32")
+    offloader = factory(config, CPU)
+    try:
+        result = train(preset(family), run, offloader, CPU)
+    finally:
+        offloader.close()
+    return result, _plain(family, steps, microbatches, schedule)
+
+
+def _moved(log: IterationLog) -> dict[tuple[int, int, str], int]:
+    return {r.key: r.d2h_copies for r in log.groups if r.d2h_copies}
+
+
+# ------------------------------------------------------------------------------ the catalogue
+
+
+def test_catalogue_is_registered_and_consistent() -> None:
+    names = [entry.name for entry in broken.CATALOGUE]
+    assert len(names) >= 12 and len(set(names)) == len(names)
+    default_ids = {case.name for case in default_matrix()}
+    for entry in broken.CATALOGUE:
+        assert entry.name.startswith("broken.") and entry.name in backend_names()
+        assert resolve_backend(entry.name) is entry.factory
+        assert describe(entry.name).startswith("broken: ")
+        assert entry.factory.__doc__ and entry.bug_class and entry.reference
+        assert entry.catchers or entry.needs, f"{entry.name}: no catcher and no stated need"
+        for check, case_id in entry.catchers:
+            assert check in broken.CHECKS, (entry.name, check)
+            assert case_id in default_ids, f"{entry.name}: {case_id} is not a default case"
+    assert broken.entry("broken.noop").factory is broken.NoOp
+    with pytest.raises(ValueError, match="unknown broken backend"):
+        broken.entry("broken.nothing")
+
+
+def test_race_delay_spellings() -> None:
+    assert parse_race_delays("d2h=5, compute=7") == RaceDelays(d2h=5, compute=7)
+    spelled = with_delays("broken.noop", RaceDelays(h2d=3))
+    assert spelled == "broken.noop+delays:d2h=0,h2d=3,compute=0"
+    delayed = resolve_backend(spelled)
+    assert isinstance(delayed, functools.partial) and delayed.func is broken.NoOp
+    assert delayed.keywords == {"delays": RaceDelays(h2d=3)}
+    assert resolve_backend("reference+delays").keywords == {"delays": DEFAULT_RACE_DELAYS}
+    for bad, fragment in [
+        ("hooks+delays", "apply to the reference"),
+        ("reference+delays:d2h=x", "not an int"),
+        ("reference+delays:warp=1", "d2h=N,h2d=N,compute=N"),
+        ("reference+delays:d2h=1,d2h=2", "each once"),
+        ("reference+delaysd2h=1", "write reference+delays"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            resolve_backend(bad)
+    with pytest.raises(ValueError, match="CUDA"):  # sleep kernels need a GPU
+        resolve_backend("broken.noop+delays")(_config(SEED_NAMES), CPU)
+
+
+# ------------------------------------------------------------- each class deviates as intended
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [broken.ReloadBeforeD2H, broken.SourceReuse, broken.CorruptReload],
+    ids=["reload_before_d2h", "source_reuse", "corrupt_reload"],
+)
+def test_transport_faults_corrupt_the_first_backward(factory: type[OffloadContext]) -> None:
+    """Step 0's forward is untouched, its backward reads wrong data: step 1's losses differ."""
+    result, plain = _run(factory, _config(SEED_NAMES))
+    assert torch.equal(result.losses[0], plain[0])
+    assert not torch.equal(result.losses[1], plain[1])
+    reference, _ = _run(OffloadContext, _config(SEED_NAMES))
+    assert [_moved(log) for log in result.logs] == [_moved(log) for log in reference.logs]
+
+
+def test_reload_before_d2h_needs_an_open_window() -> None:
+    """A cap of 0 in-flight offloads makes every D2H land at its commit: nothing to race."""
+    result, plain = _run(broken.ReloadBeforeD2H, _config(SEED_NAMES, inflight=0))
+    assert torch.equal(result.losses, plain)
+
+
+def test_wrong_microbatch_shows_under_1f1b_only() -> None:
+    sequential, plain = _run(broken.WrongMicrobatch, _config(ATTENTION))
+    assert torch.equal(sequential.losses, plain)
+    interleaved, plain = _run(broken.WrongMicrobatch, _config(ATTENTION), schedule="1f1b")
+    assert torch.equal(interleaved.losses[0], plain[0])
+    assert not torch.equal(interleaved.losses[1], plain[1])
+    assert interleaved.logs[0].leaked_tensors > 0  # microbatch 0's own tensors stay behind
+
+
+def test_unselected_groups_move_fc1_with_moe_act() -> None:
+    result, plain = _run(broken.UnselectedGroups, _config(("moe_act",)), family="moe-tiny")
+    assert torch.equal(result.losses, plain)
+    names = {name for _, _, name in _moved(result.logs[-1])}
+    assert names == {"expert_fc1", "moe_act"}
+    reference, _ = _run(OffloadContext, _config(("moe_act",)), family="moe-tiny")
+    assert {name for _, _, name in _moved(reference.logs[-1])} == {"moe_act"}
+
+
+def test_noop_moves_nothing() -> None:
+    result, plain = _run(broken.NoOp, _config(SEED_NAMES))
+    assert torch.equal(result.losses, plain)
+    assert all(not log.groups and not log.warmup for log in result.logs)
+
+
+def test_view_dedup_returns_the_first_view() -> None:
+    """moe_act saves the two SwiGLU halves of one storage; deduplicated, both come back as the
+    gate half, with one copy fewer each way."""
+    config = _config(("moe_act",))
+    result, plain = _run(broken.ViewDedup, config, family="moe-tiny")
+    reference, _ = _run(OffloadContext, config, family="moe-tiny")
+    assert not torch.equal(result.losses[1], plain[1])
+    for mine, theirs in zip(result.logs[0].groups, reference.logs[0].groups, strict=True):
+        assert mine.d2h_copies == theirs.d2h_copies - 1 and mine.h2d_copies == mine.d2h_copies
+
+
+def test_pool_early_reuse_needs_a_forward_between_prefetch_and_use() -> None:
+    two, plain = _run(broken.PoolEarlyReuse, _config(SEED_NAMES), schedule="1f1b", steps=3)
+    assert torch.equal(two.losses, plain)  # 2 microbatches: no D2H inside the window
+    three, plain = _run(
+        broken.PoolEarlyReuse, _config(SEED_NAMES), schedule="1f1b", steps=3, microbatches=3
+    )
+    assert not torch.equal(three.losses, plain)
+
+
+def test_fraction_count_keeps_one_group_too_many_per_chunk() -> None:
+    result, plain = _run(broken.FractionCount, _config(SEED_NAMES))
+    assert torch.equal(result.losses, plain)
+    steady = result.logs[-1].groups
+    kept = [r.key for r in steady if r.decision == "kept:fraction"]
+    assert sorted(mb for mb, _, _ in kept) == [0, 1]  # one per chunk at fraction 1.0
+    reference, _ = _run(OffloadContext, _config(SEED_NAMES))
+    assert not any(r.decision == "kept:fraction" for r in reference.logs[-1].groups)
+
+
+def test_extra_round_trip_doubles_the_counts_only() -> None:
+    result, plain = _run(broken.ExtraRoundTrip, _config(SEED_NAMES))
+    reference, _ = _run(OffloadContext, _config(SEED_NAMES))
+    assert torch.equal(result.losses, plain)
+    mine, theirs = result.logs[-1].groups, reference.logs[-1].groups
+    for a, b in zip(mine, theirs, strict=True):
+        assert (a.d2h_copies, a.h2d_bytes) == (2 * b.d2h_copies, 2 * b.h2d_bytes)
+
+
+def test_nograd_pass_becomes_the_warmup() -> None:
+    """A no-grad forward first: the broken backend ends its warmup there (zero bytes); the
+    reference's warmup is still the first training step."""
+    flags = {}
+    for factory in (broken.NoGradWarmup, OffloadContext):
+        offloader = factory(_config(SEED_NAMES), CPU)
+        spec, run = preset("hybrid-tiny"), RunSpec(steps=2, microbatches=2, precision="fp32")
+        model = build_model(spec, torch.Generator().manual_seed(run.seed))
+        batches = make_batches(spec, seed=run.seed, steps=1, microbatches=2)[0]
+        for mb, tokens in enumerate(batches):  # an evaluation pass over both microbatches
+            offloader.begin_microbatch(mb)
+            with torch.no_grad():
+                model(tokens[:, :-1], offloader)
+        offloader.end_iteration()
+        logs = train(spec, run, offloader, CPU).logs
+        flags[factory] = [log.warmup for log in logs]
+        if factory is broken.NoGradWarmup:
+            assert logs[0].groups and logs[0].d2h_bytes == 0
+    assert flags[broken.NoGradWarmup] == [True, False, False]
+    assert flags[OffloadContext] == [False, True, False]
+
+
+def _mapping(factory: type[OffloadContext], names: tuple[str, ...]) -> list[tuple[int, int | None]]:
+    """(start layer, layer of the group record it got; None: pass-through) of every selected
+    group start in the second (steady) step of a 1-microbatch run."""
+    offloader = factory(_config(names), CPU)
+    seen: list[tuple[int, int | None]] = []
+    opened = offloader.group
+
+    def group(name: str, x: torch.Tensor, *, layer: int) -> object:
+        handle = opened(name, x, layer=layer)
+        record = getattr(handle, "_group", None)
+        if name in names:
+            seen.append((layer, None if record is None else record.layer))
+        return handle
+
+    offloader.group = group  # type: ignore[method-assign]
+    result = train(preset("hybrid-tiny"), RunSpec(steps=2, microbatches=1), offloader, CPU)
+    assert torch.equal(result.losses, _plain("hybrid-tiny", 2, 1, "sequential"))
+    return seen[len(seen) // 2 :]
+
+
+def test_structure_remap_maps_groups_to_other_layers() -> None:
+    """With attn_norm spanning the attention groups, warmup (commit order) and steady state
+    (start order) differ; starts land on other layers' records or pass through, silently."""
+    remapped = _mapping(broken.StructureRemap, ATTENTION)
+    assert (0, 2) in remapped and (4, None) in remapped
+    assert all(start == got for start, got in _mapping(OffloadContext, ATTENTION))
+    assert all(start == got for start, got in _mapping(broken.StructureRemap, SEED_NAMES))
+
+
+@pytest.mark.parametrize(
+    "factory", [broken.Pageable, broken.HostSync], ids=["pageable", "host_sync"]
+)
+def test_cuda_only_classes_are_the_reference_on_cpu(factory: type[OffloadContext]) -> None:
+    """No pinned memory and no device to wait for: on CPU they behave like the reference."""
+    result, plain = _run(factory, _config(SEED_NAMES))
+    reference, _ = _run(OffloadContext, _config(SEED_NAMES))
+    assert torch.equal(result.losses, plain)
+    assert [_moved(log) for log in result.logs] == [_moved(log) for log in reference.logs]
