@@ -326,6 +326,7 @@ def _repro_spec(args: argparse.Namespace) -> ReproSpec:
         else:
             case = _custom_case(args)
             model = env.spec(case)
+            args.preset = _preset_name(case.family, env.model_size)
         run = case.run_spec() if args.seed is None else case.run_spec(seed=args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -339,6 +340,11 @@ def _repro_spec(args: argparse.Namespace) -> ReproSpec:
         preset=args.preset or None,
         from_case=args.case or None,
     )
+
+
+def _preset_name(family: str, size: str) -> str:
+    base = model_spec(family, size)
+    return next(name for name in PRESETS if preset(name) == base)
 
 
 def _preset_family(name: str) -> str:

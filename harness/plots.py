@@ -113,8 +113,7 @@ def plot_loss_diff(plt: Any, cases: list[dict[str, Any]], folder: Path) -> Path:
     height = max(1.6, 0.22 * len(cases) + 0.9)
     fig, ax = plt.subplots(figsize=(7.0, height))
     data = [[math.log10(1 + min(v, 1e12)) if v == v else math.nan for v in row] for row in values]
-    cmap = plt.get_cmap("Reds").copy()
-    cmap.set_bad("0.85")
+    cmap = plt.get_cmap("Reds").with_extremes(bad="0.85")
     image = ax.imshow(data, aspect="auto", cmap=cmap, vmin=0, vmax=max(1.0, _finite_max(data)))
     ax.set_yticks(range(len(cases)), [f"#{i + 1}" for i in range(len(cases))], fontsize=6)
     ax.set_xlabel("microbatch (step x microbatches + mb)", fontsize=7)

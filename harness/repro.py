@@ -47,7 +47,7 @@ class ReproSpec:
     device: torch.device
     model_size: str
     preset: str | None = None
-    """Model preset named on the command line (custom cases); None: the case family's."""
+    """Model preset of a custom case (the command line's, or its family's); None for ``--case``."""
     from_case: str | None = None
     """The case id it was taken from (``--case``); None for a custom case."""
 
@@ -58,7 +58,8 @@ class ReproSpec:
             argv += ["--case", self.from_case]
         else:
             inflight = self.case.max_inflight
-            argv += ["--preset", self.preset or "", "--pattern", self.model.pattern]
+            assert self.preset is not None, "a custom case names its preset"
+            argv += ["--preset", self.preset, "--pattern", self.model.pattern]
             argv += ["--offload", ",".join(self.case.offload)]
             argv += ["--max-inflight", "none" if inflight is None else str(inflight)]
         argv += ["--steps", str(self.run.steps), "--microbatches", str(self.run.microbatches)]

@@ -86,6 +86,7 @@ BAD_INPUT = {
     "bad-schedule": [*CUSTOM, "--schedule", "zigzag"],
     "bad-steps": [*CUSTOM, "--steps", "two"],
     "bad-matrix": ["cases", "--matrix", "huge"],
+    "update-golden-custom": [*ONE_LAYER, "--update-golden"],
 }
 
 
@@ -207,6 +208,17 @@ def test_run_passes_and_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFi
     assert transfers["d2h_bytes"] == transfers["h2d_bytes"] > 0
     assert transfers["d2h_copies"] == transfers["h2d_copies"] > 0
     assert set(transfers["names_moved"]) == {"core_attn", "attn_proj"}
+    assert case["golden"]["status"] == "missing"  # a custom case has no golden trace
+    folder = next(tmp_path.iterdir())
+    assert {p.name for p in folder.iterdir()} == {
+        "summary.json",
+        "junit.xml",
+        "index.html",
+        "plots",
+    }
+    assert CASE_NAME in (folder / "index.html").read_text()
+    assert "<testcase" in (folder / "junit.xml").read_text()
+    assert f"report: {folder / 'index.html'}" in out
 
 
 def test_run_that_offloads_nothing_is_refused(
