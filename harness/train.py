@@ -82,18 +82,30 @@ class TrainResult:
     """Parameters after the last step (CPU copies)."""
 
 
+def _set_deterministic(mode: bool, *, warn_only: bool = False) -> None:
+    """``torch.use_deterministic_algorithms`` without its side trip into TorchInductor's config:
+    that first call imports ``torch._inductor`` (2-5 s per process on the CPU machine, paid by
+    every xdist and CLI worker) only to mirror the flag for compiled code, which the harness
+    never uses."""
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if setter is None:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    else:
+        setter(mode, warn_only=warn_only)
+
+
 @contextlib.contextmanager
 def deterministic(device: torch.device) -> Iterator[None]:
     """Deterministic kernels for the duration of a run (restored afterwards)."""
     previous = torch.are_deterministic_algorithms_enabled()
     previous_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
+    _set_deterministic(True)
     cudnn = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(previous, warn_only=previous_warn)
+        _set_deterministic(previous, warn_only=previous_warn)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
 
 
