@@ -62,7 +62,7 @@ class Environment:
     def semantics(self) -> Semantics:
         """The backend's version-dependent copy rules (its factory's ``semantics``, default
         Megatron-Core main's), for the prediction."""
-        return getattr(resolve_backend(self.backend), "semantics", MEGATRON_MAIN)
+        return getattr(resolve_backend(self.backend), "semantics", None) or MEGATRON_MAIN
 
     def spec(self, case: Case) -> ModelSpec:
         spec = case.model_spec(self.model_size)

@@ -38,6 +38,8 @@ EXTRA: dict[str, str] = {
     "mcore": "harness.offload.mcore:McoreOffloader",
     "mcore.inline-wait": "harness.offload.mcore:with_inline_reload_wait",
 }
+"""``mcore`` drives megatron-core's own offloader (CUDA and the ``mcore`` extra);
+``mcore.inline-wait`` adds the D2H wait its inline reload lacks, to localise Megatron-LM #7398."""
 """Further named backends provided by optional modules: name -> ``module:factory``."""
 
 DESCRIPTIONS: dict[str, str] = {
@@ -111,11 +113,25 @@ def _delayed(base: str, tail: str, shown: str) -> Factory:
         raise ValueError(f"backend {shown!r}: write {base}+delays or {base}+delays:d2h=N,h2d=N")
     delays = parse_race_delays(tail[1:]) if tail else DEFAULT_RACE_DELAYS
     factory = resolve_backend(base)
-    if not (isinstance(factory, type) and issubclass(factory, OffloadContext)):
+    takes_delays = getattr(factory, "accepts_race_delays", False) or (
+        isinstance(factory, type) and issubclass(factory, OffloadContext)
+    )
+    if not takes_delays:
         raise ValueError(
-            f"backend {shown!r}: race delays apply to the reference offloader and broken.* only"
+            f"backend {shown!r}: race delays apply to the reference offloader, broken.* and "
+            "mcore only"
         )
-    return functools.partial(factory, delays=delays)
+    delayed = functools.partial(factory, delays=delays)
+    delayed.semantics = getattr(factory, "semantics", None)  # type: ignore[attr-defined]
+    return delayed
+
+
+def backend_unavailable(spec: str, device: torch.device) -> str | None:
+    """Why a (resolvable) backend cannot run on ``device`` - a factory may say so through an
+    ``unavailable_reason(device)`` attribute - or None."""
+    factory = resolve_backend(spec)
+    check = getattr(getattr(factory, "func", factory), "unavailable_reason", None)
+    return check(device) if callable(check) else None
 
 
 def _import_factory(path: str, *, shown: str) -> Factory:

@@ -114,6 +114,8 @@ class McoreOffloader:
     at a time: megatron-core's manager is a process-wide singleton, reset on construction)."""
 
     name = "mcore"
+    accepts_race_delays = True
+    unavailable_reason = staticmethod(unavailable_reason)
     semantics = Semantics(view_copy="gather", skip="object")
     """megatron-core 0.19's copy rules: non-contiguous tensors are gathered (no whole-storage
     copy of covering views), and only ``Parameter`` objects and tensors carrying the
@@ -314,13 +316,17 @@ class McoreOffloader:
         )
 
 
-def with_inline_reload_wait(config: OffloadConfig, device: torch.device | str) -> McoreOffloader:
+def with_inline_reload_wait(
+    config: OffloadConfig, device: torch.device | str, *, delays: RaceDelays | None = None
+) -> McoreOffloader:
     """Backend ``mcore.inline-wait``: megatron-core's offloader plus the one stream edge its
     inline reload path lacks (see ``McoreOffloader.inline_reload_waits``)."""
-    return McoreOffloader(config, device, inline_reload_waits=True)
+    return McoreOffloader(config, device, delays=delays, inline_reload_waits=True)
 
 
 with_inline_reload_wait.semantics = McoreOffloader.semantics  # type: ignore[attr-defined]
+with_inline_reload_wait.accepts_race_delays = True  # type: ignore[attr-defined]
+with_inline_reload_wait.unavailable_reason = unavailable_reason  # type: ignore[attr-defined]
 
 
 class McoreGroup:
