@@ -1,14 +1,17 @@
 """Golden values: the plain baseline's loss trace equals the committed golden file of this device
 kind bitwise (``harness.golden``), so a model, runner or library change that moves the numbers
 is caught even when the offload run still matches its baseline. No extra training: the trace
-comes from the case's shared run. ``--update-golden`` rewrites the files instead."""
+comes from the case's shared run. ``--update-golden`` rewrites the files instead.
+
+Rank 0 checks (or writes) its trace; the verdict is collective, so every rank raises the same
+assertion or skips with the same reason."""
 
 from __future__ import annotations
 
 import pytest
 
 from fixtures.dist import DistEnv
-from harness import golden
+from harness import distributed, golden
 from harness.cases import Case
 from harness.execute import CaseRun, Environment, run_case
 
@@ -22,14 +25,18 @@ def test_golden_baseline(
     pytestconfig: pytest.Config,
 ) -> None:
     res: CaseRun = case_result(run_case, case)
-    kind = golden.device_kind(environment.device, environment.model_size)
-    if pytestconfig.getoption("--update-golden"):
-        if dist_env.rank != 0:
-            pytest.skip("--update-golden: rank 0 writes the golden files")
-        outcome = golden.update(case.name, res.plain.losses, kind)
-    else:
-        outcome = golden.check(case.name, res.plain.losses, kind)
-    record_result(case.name, {"golden": outcome.record()})
-    if outcome.status == "missing":
-        pytest.skip(outcome.message)
-    assert outcome.ok, outcome.message
+    outcome = None
+    if dist_env.rank == 0:
+        kind = golden.case_kind(
+            environment.device, environment.model_size, case.sharding, dist_env.world_size
+        )
+        check = golden.update if pytestconfig.getoption("--update-golden") else golden.check
+        outcome = check(case.name, res.plain.losses, kind)
+        record_result(case.name, {"golden": outcome.record()})
+    problems = [outcome.message] if outcome is not None and not outcome.ok else []
+    combined = distributed.collective_problems(problems)
+    assert not combined, "\n".join(combined)
+    missing = outcome.message if outcome is not None and outcome.status == "missing" else None
+    missing = distributed.broadcast_object(missing)
+    if missing is not None:
+        pytest.skip(missing)

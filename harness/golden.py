@@ -4,7 +4,8 @@ from the offload-vs-baseline verdict.
 
 Paths: ``cases/golden/<device kind>/<case file>.txt``. The device kind is ``cpu`` or
 ``cuda-<short GPU name>`` (``cuda-h200``), with ``-<size>`` appended when the run uses another
-model size than the device's default (``tiny`` on CPU, ``small`` on CUDA). The case file is the
+model size than the device's default (``tiny`` on CPU, ``small`` on CUDA) and ``-ranks<N>`` for
+sharded cases under torchrun at N ranks (rank 0's trace is the one stored). The case file is the
 case id with characters that are awkward in file names (``*``) percent-encoded
 (``moe-%2AE%2AE_...``).
 
@@ -60,6 +61,14 @@ def device_kind(device: torch.device, model_size: str) -> str:
     if model_size != DEFAULT_SIZE.get(device.type, "tiny"):
         kind += f"-{model_size}"
     return kind
+
+
+def case_kind(device: torch.device, model_size: str, sharding: str, world_size: int) -> str:
+    """The device kind of a case's golden file: ``device_kind``, plus ``-ranks<N>`` for a
+    sharded case at world size N > 1 (each rank then trains on its own data shard, so rank 0's
+    trace depends on N)."""
+    kind = device_kind(device, model_size)
+    return f"{kind}-ranks{world_size}" if sharding != "none" and world_size > 1 else kind
 
 
 def golden_path(kind: str, case_name: str, root: Path = GOLDEN_ROOT) -> Path:

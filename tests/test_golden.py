@@ -34,6 +34,13 @@ def test_device_kind_marks_non_default_sizes() -> None:
     assert golden.device_kind(cpu, "small") == "cpu-small"
 
 
+def test_case_kind_separates_sharded_multi_rank_traces() -> None:
+    cpu = torch.device("cpu")
+    assert golden.case_kind(cpu, "tiny", "none", 8) == "cpu"
+    assert golden.case_kind(cpu, "tiny", "zero3", 1) == "cpu"
+    assert golden.case_kind(cpu, "tiny", "zero3", 4) == "cpu-ranks4"
+
+
 def test_golden_path_escapes_awkward_characters(tmp_path: Path) -> None:
     path = golden.golden_path("cpu", "moe-*E*E_core_attn+attn_proj_sequential_bf16", tmp_path)
     assert path == tmp_path / "cpu" / "moe-%2AE%2AE_core_attn+attn_proj_sequential_bf16.txt"
