@@ -9,12 +9,15 @@ import pytest
 from harness.cases import Case
 from harness.checks import memory_problems
 from harness.distributed import collective_problems
-from harness.execute import MemoryResult, run_memory
+from harness.execute import MemoryResult, memory_unsupported, run_memory
 from harness.report import memory_record
 
 
 @pytest.mark.gpu
 def test_memory_after_forward(case: Case, case_result, record_result) -> None:
+    reason = memory_unsupported(case)
+    if reason is not None:
+        pytest.skip(reason)
     res: MemoryResult = case_result(run_memory, case)
     record_result(case.name, memory_record(res))
     problems = collective_problems(memory_problems(res))

@@ -153,20 +153,31 @@ def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[st
             f"{final}: {res.counts.pageable} offload copies used pageable host memory, among "
             f"the copies of {_occurrences(copied)}"
         )
-    stray = {d: c for d, c in res.counts.unattributed.items() if c.copies}
+    runner = res.runner_copies[1].unattributed if res.runner_copies else {}
+    stray = {
+        d: c
+        for d, c in res.counts.unattributed.items()
+        if c.copies and c != runner.get(d, Counts())
+    }
     if device.type == "cuda" and stray:
         problems.append(
-            f"{final}: DtoH/HtoD memcpys outside any offload group range: {stray}; the groups "
-            f"that copied in that step: {_occurrences(copied)}"
+            f"{final}: DtoH/HtoD memcpys outside any offload group range: {stray} (the plain "
+            f"run's own copies in that step: {_nonzero(runner)}); the groups that copied in that "
+            f"step: {_occurrences(copied)}"
         )
     return problems
+
+
+def _nonzero(counts: dict[str, Counts]) -> dict[str, Counts]:
+    return {d: c for d, c in counts.items() if c.copies}
 
 
 def disabled_problems(res: CaseRun) -> list[str]:
     """The enabled run moved something; the disabled run moved nothing."""
     if not res.counts.totals()["d2h"].copies:
         return ["the enabled run moved nothing: the disabled comparison proves nothing"]
-    if total(res.disabled) != Counts():
+    runner = total(res.runner_copies[0]) if res.runner_copies else Counts()
+    if total(res.disabled) != runner:
         where = [
             f"{key.direction} {key.name} (microbatch {key.microbatch}, layer {key.layer}): "
             f"{c.copies} copies"
@@ -176,6 +187,7 @@ def disabled_problems(res: CaseRun) -> list[str]:
         return [
             "step 0 of the run with the offloader disabled still copied: "
             + ("; ".join(where) or str(res.disabled))
+            + f" (the plain run's own copies in step 0: {runner})"
         ]
     return []
 

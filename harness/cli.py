@@ -31,7 +31,7 @@ import torch
 from harness import golden
 from harness.cases import FAMILIES, MATRICES, MODEL_SIZES, Case, find_case, matrix, model_spec
 from harness.checks import case_problems, memory_problems
-from harness.execute import Environment, run_case, run_memory
+from harness.execute import Environment, memory_unsupported, run_case, run_memory
 from harness.html import render_index
 from harness.offload.backends import backend_names, describe, resolve_backend
 from harness.report import (
@@ -177,7 +177,7 @@ def _run_one(case: Case, env: Environment, update_golden: bool = False) -> dict[
     res = run_case(case, env)
     problems = [p for found in case_problems(case, res, env).values() for p in found]
     record = case_record(res)
-    if env.device.type == "cuda":
+    if env.device.type == "cuda" and memory_unsupported(case) is None:
         memory = run_memory(case, env)
         record.update(memory_record(memory))
         problems += memory_problems(memory)
