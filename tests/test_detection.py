@@ -1,0 +1,97 @@
+"""Detection power, end to end through pytest (``pytester``): the correct offloader passes the
+default matrix, and every broken offloader of the catalogue (``harness.offload.broken``) makes
+at least one default case fail with a message naming the step, the microbatch and the group.
+
+To keep the cost down, a broken offloader runs only the case tests its catalogue entry names as
+catchers, with ``-x``; the correct one runs the whole ``cases/`` suite once. The inner sessions
+run in subprocesses (an in-process session would re-import torch modules that register
+operator libraries) on this session's device. Classes CPU cannot show (pinned memory, host
+syncs) run on CUDA only; classes the default matrix cannot show (see each entry's ``needs``)
+are skipped with that reason - ``scripts/mutation_score --proposed`` runs the rows they need.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from fixtures.options import Settings
+from harness.offload.broken import CATALOGUE, NO_DELAYS, BrokenBackend
+from harness.offload.reference import RaceDelays
+from harness.spec import ALL_GROUP_NAMES
+
+pytest_plugins = ["pytester"]
+
+REPO = Path(__file__).resolve().parents[1]
+
+CASE_TESTS = {
+    "equivalence": "cases/test_equivalence.py::test_loss_equivalence",
+    "leaks": "cases/test_equivalence.py::test_no_leaks",
+    "transfers": "cases/test_transfers.py::test_transfer_counts",
+    "disabled": "cases/test_transfers.py::test_disabled_moves_nothing",
+    "fidelity": "cases/test_transfers.py::test_name_fidelity",
+    "memory": "cases/test_memory.py::test_memory_after_forward",
+    "sync": "cases/test_sync.py::test_no_host_sync",
+}
+"""The pytest test behind each catalogue check name."""
+
+NAMES_A_GROUP = re.compile(r"\b(" + "|".join(ALL_GROUP_NAMES) + r")\b")
+
+
+def _inner(pytester: pytest.Pytester, settings: Settings, *args: str) -> pytest.RunResult:
+    """An inner pytest session over this repository's cases, on this session's device."""
+    return pytester.runpytest_subprocess(
+        *("--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), "-o", "addopts="),
+        *("-p", "no:cacheprovider", "--tb=short", "--report-dir", ""),
+        *("--device", settings.device.type),
+        *args,
+    )
+
+
+def _delays(delays: RaceDelays) -> tuple[str, ...]:
+    if delays == NO_DELAYS:
+        return ()
+    return ("--race-delays", f"d2h={delays.d2h},h2d={delays.h2d},compute={delays.compute}")
+
+
+def _param(entry: BrokenBackend) -> object:
+    marks = []
+    if not entry.cpu:
+        marks.append(pytest.mark.gpu)
+    if not entry.catchers:
+        marks.append(pytest.mark.skip(reason=f"the default matrix cannot show it: {entry.needs}"))
+    return pytest.param(entry, id=entry.name, marks=marks)
+
+
+@pytest.mark.slow
+def test_correct_offloader_passes_the_default_matrix(
+    pytester: pytest.Pytester, settings: Settings
+) -> None:
+    result = _inner(pytester, settings, str(REPO / "cases"), "--backend", "reference")
+    outcomes = result.parseoutcomes()
+    assert result.ret == pytest.ExitCode.OK, "\n".join(result.outlines[-40:])
+    assert outcomes.get("passed", 0) > 0 and not outcomes.get("failed")
+
+
+@pytest.mark.parametrize("entry", [_param(entry) for entry in CATALOGUE])
+def test_broken_offloader_is_caught(
+    entry: BrokenBackend, pytester: pytest.Pytester, settings: Settings
+) -> None:
+    nodes = [
+        f"{REPO}/{CASE_TESTS[check]}[{case_id}]"
+        for check, case_id in entry.catchers
+        if settings.device.type == "cuda" or check not in ("memory", "sync")
+    ]
+    delays = _delays(entry.cuda_delays) if settings.device.type == "cuda" else ()
+    result = _inner(pytester, settings, "-x", "--backend", entry.name, *delays, *nodes)
+    text = "\n".join(result.outlines)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, f"{entry.name} was not caught:\n{text}"
+    failure = text[text.index("FAILURES") :] if "FAILURES" in text else text
+    for what, pattern in [
+        ("step", re.compile(r"\bstep \d+")),
+        ("microbatch", re.compile(r"\bmicrobatch \d+")),
+        ("group", NAMES_A_GROUP),
+    ]:
+        assert pattern.search(failure), f"{entry.name}: the failure names no {what}:\n{failure}"
