@@ -50,6 +50,7 @@ def _plain(family: str, steps: int, microbatches: int, schedule: str) -> torch.T
     return train(preset(family), run, NoOffload(), CPU).losses
 
 
+@functools.cache
 def _run(
     factory: Callable[[OffloadConfig, torch.device], OffloadContext],
     config: OffloadConfig,
@@ -59,7 +60,8 @@ def _run(
     microbatches: int = 2,
     schedule: str = "sequential",
 ) -> tuple[TrainResult, torch.Tensor]:
-    """(offload run, plain baseline losses) of the same spec and seed."""
+    """(offload run, plain baseline losses) of the same spec and seed (cached: the reference's
+    runs serve several tests; results are only read)."""
     run = RunSpec(steps=steps, microbatches=microbatches, schedule=schedule, precision="fp32")
     offloader = factory(config, CPU)
     try:
