@@ -64,19 +64,25 @@ def folder_name() -> str:
     return f"{stamp}_{(commit['sha'] or 'nogit')[:10]}{'_dirty' if commit['dirty'] else ''}"
 
 
-def run_folder(root: Path, name: str | None = None) -> Path:
-    """Create a new report folder ``root/name`` (default ``folder_name()``); a name already
-    taken (two runs in one second) gets ``-2``, ``-3``... appended."""
-    base = name or folder_name()
-    root.mkdir(parents=True, exist_ok=True)
+def free_folder(root: Path, name: str) -> Path:
+    """``root/name``, or ``name-2``, ``name-3``... when taken (two runs in one second); not
+    created."""
     for attempt in range(1, 1000):
-        folder = root / (base if attempt == 1 else f"{base}-{attempt}")
+        folder = root / (name if attempt == 1 else f"{name}-{attempt}")
+        if not folder.exists():
+            return folder
+    raise FileExistsError(f"no free report folder name under {root} for {name}")
+
+
+def run_folder(root: Path, name: str | None = None) -> Path:
+    """Create a new report folder ``root/name`` (default ``folder_name()``, made unique)."""
+    while True:
+        folder = free_folder(root, name or folder_name())
         try:
-            folder.mkdir()
-        except FileExistsError:
+            folder.mkdir(parents=True)
+        except FileExistsError:  # taken between the check and the mkdir
             continue
         return folder
-    raise FileExistsError(f"no free report folder name under {root} for {base}")
 
 
 def write_summary(folder: Path, cases: list[dict[str, Any]], **extra: Any) -> Path:
