@@ -26,7 +26,7 @@ from harness.transfers import Counts
 
 
 def repro_hint(case: Case) -> str:
-    return f"reproduce: offload-harness run --case '{case.name}'"
+    return f"reproduce: offload-harness repro --case '{case.name}' --bisect"
 
 
 def equivalence_problems(case: Case, res: CaseRun) -> list[str]:
