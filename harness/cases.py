@@ -95,6 +95,8 @@ class Case:
     """Fewest ranks (torchrun ``WORLD_SIZE``) the case needs; below it, it skips at collection."""
     custom_pattern: str | None = None
     """Replace the family preset's layer pattern (custom cases from the command line)."""
+    eval_first: bool = False
+    """A no-grad forward pass of every microbatch before the first step (``RunSpec``)."""
     description: str = ""
     marks: tuple[Any, ...] = ()
     """pytest marks for this row."""
@@ -133,6 +135,8 @@ class Case:
             parts.append(self.sharding)
         if self.min_ranks != 1:
             parts.append(f"ranks-{self.min_ranks}")
+        if self.eval_first:
+            parts.append("evalfirst")
         return "_".join(parts)
 
     def model_spec(self, size: str) -> ModelSpec:
@@ -147,6 +151,7 @@ class Case:
             precision=self.precision,  # type: ignore[arg-type]
             grad_clip=1.0,
             seed=seed,
+            eval_first=self.eval_first,
         )
 
     def offload_config(self) -> OffloadConfig:
@@ -257,9 +262,30 @@ def full_matrix() -> list[Case]:
     return rows + zero3_rows(full=True)
 
 
+DETECTION_ROWS: tuple[Case, ...] = (
+    Case(
+        family="hybrid",
+        offload=("core_attn", "attn_proj"),
+        schedule="1f1b",
+        microbatches=3,
+        precision="bf16",
+        description="1F1B with 3 microbatches: a forward runs between a reload and its use",
+    ),
+    Case(
+        family="hybrid",
+        offload=("core_attn", "attn_proj"),
+        precision="bf16",
+        eval_first=True,
+        description="a no-grad evaluation pass before the first step must not become the warmup",
+    ),
+)
+"""Rows the default matrix carries for bug classes the family rows cannot show (a pooled
+buffer reused while its reload is pending; a no-grad pass taken as the warmup)."""
+
+
 def default_matrix() -> list[Case]:
     """The seed case, then one row per (family, offload set) cycling the other axes, then the
-    seed's and one MoE row under ZeRO-3."""
+    detection rows, then the seed's and one MoE row under ZeRO-3."""
     rows = [SEED_CASE]
     index = 0
     for family in FAMILIES:
@@ -274,7 +300,7 @@ def default_matrix() -> list[Case]:
             index += 1
             if row.name != SEED_CASE.name:
                 rows.append(row)
-    return rows + zero3_rows(full=False)
+    return rows + list(DETECTION_ROWS) + zero3_rows(full=False)
 
 
 MATRICES = {"default": default_matrix, "full": full_matrix}

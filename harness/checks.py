@@ -112,24 +112,40 @@ def _occurrences(keys: Iterable[GroupKey], limit: int = 6) -> str:
 def leak_problems(case: Case, res: CaseRun) -> list[str]:
     """Per iteration: nothing left behind, pool buffers back, warmup first, pool stops growing."""
     logs = res.offload.logs
-    if len(logs) != case.steps:
-        return [f"{len(logs)} iteration logs for {case.steps} steps"]
+    evals = int(case.eval_first)  # the no-grad pass before step 0 ends an iteration too
+    if len(logs) != case.steps + evals:
+        return [f"{len(logs)} iteration logs for {evals} no-grad pass(es) and {case.steps} steps"]
     problems = []
     warmups = [log.warmup for log in logs]
-    if warmups != [True] + [False] * (case.steps - 1):
-        problems.append(f"warmup flags per iteration {warmups}: only the first may be the warmup")
+    if warmups != [False] * evals + [True] + [False] * (case.steps - 1):
+        what = "the first training step" if evals else "the first iteration"
+        problems.append(f"warmup flags per iteration {warmups}: only {what} may be the warmup")
+        first = logs[evals]
+        if not first.warmup:
+            offloaded = [r.key for r in first.groups if r.d2h_copies]
+            problems.append(
+                "step 0 (the first training step) ran as a steady-state iteration, planned from "
+                "an earlier pass; groups it offloaded: "
+                + (
+                    "; ".join(
+                        f"microbatch {mb}: {_group_list(keys)}"
+                        for mb, keys in sorted(_by_microbatch(offloaded).items())
+                    )
+                    or "none"
+                )
+            )
     for log in logs:
         if log.leaked_tensors or log.pool_in_use:
             offloaded = [r.key for r in log.groups if r.d2h_copies]
             problems.append(
-                f"step {log.iteration}: {log.leaked_tensors} saved tensors never unpacked, "
+                f"step {log.iteration - evals}: {log.leaked_tensors} saved tensors never unpacked, "
                 f"{log.pool_in_use} pool buffers not returned; groups offloaded in that step: "
                 + "; ".join(
                     f"microbatch {mb}: {_group_list(keys)}"
                     for mb, keys in sorted(_by_microbatch(offloaded).items())
                 )
             )
-    allocated = [log.pool_allocated for log in logs[1:]]
+    allocated = [log.pool_allocated for log in logs[evals + 1 :]]
     if len(set(allocated)) > 1:
         problems.append(f"pinned pool keeps allocating after the warmup: {allocated}")
     if not torch.isfinite(res.offload.losses).all():

@@ -200,7 +200,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     )
     recorder = RecordingOffloader(config, env.device)
     hooks = train(spec, run, recorder, env.device, sharding=case.sharding)
-    observations = recorder.iterations[0]
+    observations = recorder.iterations[int(run.eval_first)]  # the first training iteration
     order = schedule_order(run.schedule, run.microbatches)
     _, steady = predict(observations, config, order, env.semantics)
     sink: list[TransferCounts] = []
@@ -269,7 +269,7 @@ def record_observations(case: Case, env: Environment) -> list[GroupObservation]:
     recorder = RecordingOffloader(case.offload_config(), env.device)
     one_step = case.run_spec().replace(steps=1)
     train(env.spec(case), one_step, recorder, env.device, sharding=case.sharding)
-    return recorder.iterations[0]
+    return recorder.iterations[int(case.eval_first)]
 
 
 def total(counts: TransferCounts) -> Counts:

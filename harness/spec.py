@@ -239,6 +239,11 @@ class RunSpec:
     """Learning rate."""
     seed: int = 1234
     """Seed of the weight generator and of the data generator."""
+    eval_first: bool = False
+    """Before the first training step, run one no-grad forward of every microbatch (step 0's
+    data) through the offloader and end that iteration, as an evaluation pass before training
+    would: the warmup must still be the first training iteration (Megatron takes whatever ran
+    first)."""
 
     def __post_init__(self) -> None:
         _check_positive(self, "steps", "microbatches")

@@ -202,6 +202,8 @@ def train(
         losses = torch.zeros(run.steps, run.microbatches, device=device)
         order = schedule_order(run.schedule, run.microbatches)
         grads: list[dict[str, torch.Tensor]] = []
+        if run.eval_first:
+            _eval_pass(model, offloader, data[0], run.microbatches)
         for step in range(run.steps):
             context = hooks.step_context(step) if hooks.step_context else contextlib.nullcontext()
             with context:
@@ -219,6 +221,17 @@ def train(
         return TrainResult(
             losses=losses.cpu(), logs=offloader.iteration_logs(), grads=grads, final_state=state
         )
+
+
+def _eval_pass(
+    model: HybridModel, offloader: Offloader, batches: torch.Tensor, microbatches: int
+) -> None:
+    """A forward-only pass of every microbatch under ``torch.no_grad`` (outputs discarded)."""
+    with torch.no_grad():
+        for mb in range(microbatches):
+            offloader.begin_microbatch(mb)
+            model(batches[mb][:, :-1], offloader)
+    offloader.end_iteration()
 
 
 def _run_step(

@@ -7,7 +7,7 @@ catchers, with ``-x``; the correct one runs the whole ``cases/`` suite once. The
 run in subprocesses (an in-process session would re-import torch modules that register
 operator libraries) on this session's device. Classes CPU cannot show (pinned memory, host
 syncs) run on CUDA only; classes the default matrix cannot show (see each entry's ``needs``)
-are skipped with that reason - ``scripts/mutation_score --proposed`` runs the rows they need.
+are skipped with that reason.
 """
 
 from __future__ import annotations

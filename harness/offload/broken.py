@@ -576,6 +576,8 @@ MOE_EVERYTHING = (
     "moe-*E*E_qkv_linear+core_attn+attn_proj+mlp_norm+expert_fc1+moe_act_sequential_bf16"
 )
 EXPERTS_SEQ = "moe-*E*E_expert_fc1+moe_act_sequential_fp32_inflight-none"
+ATTENTION_1F1B_3MB = "hybrid-+-+-+-_core_attn+attn_proj_1f1b_bf16_6x3"
+EVAL_FIRST = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16_evalfirst"
 
 CATALOGUE: tuple[BrokenBackend, ...] = (
     BrokenBackend(
@@ -627,7 +629,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         bug_class="pooled host buffer reused while its H2D is pending",
         reference="Megatron pinned-pool hazard (bugs list #19), TE #2341",
         cpu=True,
-        needs="a 1F1B row with >= 3 microbatches (a forward between a prefetch and its use)",
+        catchers=(("equivalence", ATTENTION_1F1B_3MB),),
         cuda_delays=RaceDelays(h2d=LONG_DELAY),
     ),
     BrokenBackend(
@@ -656,7 +658,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         bug_class="a no-grad pass taken as the warmup",
         reference="NeMo-RL PR #2279 review",
         cpu=True,
-        needs="a no-grad forward of every microbatch before the first training step",
+        catchers=(("leaks", EVAL_FIRST),),
     ),
     BrokenBackend(
         factory=StructureRemap,
