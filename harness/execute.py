@@ -12,6 +12,7 @@ Shared by the pytest cases and ``offload-harness run``, so both judge a case the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from collections import Counter
@@ -36,6 +37,7 @@ from harness.predict import (
     freed_storages,
     in_flight_after_forward,
     predict,
+    prefetched_before,
     redundant_reload_bytes,
 )
 from harness.spec import ModelSpec, RunSpec
@@ -343,7 +345,12 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
     last_forward = max(i for i, (kind, _) in enumerate(order) if kind == "F")
     observations = record_observations(case, env)
     _, steady = predict(observations, config, order, env.semantics)
-    freed = freed_storages(observations, steady, in_flight_after_forward(order, last_forward))
+    early = prefetched_before(observations, steady, order, last_forward)
+    on_host = {
+        k: (e if k not in early else dataclasses.replace(e, decision="prefetched"))
+        for k, e in steady.items()
+    }
+    freed = freed_storages(observations, on_host, in_flight_after_forward(order, last_forward))
     redundant = sorted(
         redundant_reload_bytes(o, config, env.semantics)
         for o in observations

@@ -229,6 +229,42 @@ def in_flight_after_forward(order: Sequence[tuple[str, int]], index: int) -> lis
     return [m for m in done if m not in started]
 
 
+def prefetched_before(
+    observations: Sequence[GroupObservation],
+    expected: dict[GroupKey, Expected],
+    order: Sequence[tuple[str, int]],
+    index: int,
+) -> set[GroupKey]:
+    """Offloaded group occurrences already reloaded, ahead of their own backward, when
+    ``order[index]`` ends.
+
+    Megatron's rule (``megatron-offload.md`` §1.2 step 10): every group start-backward reloads
+    the chunk's most recently committed offloaded group still on the host; once the chunk has
+    none left, it instead pre-reloads the top one of the next chunk to run backward, if that
+    chunk's forward is done. So a backward of a chunk with n groups, k of them offloaded,
+    prefetches n - k groups of the next chunk (1F1B with 3 or more microbatches runs a forward
+    after such a backward). Commit order is taken as the recorded start order (exact for groups
+    that do not nest)."""
+    keys: dict[int, list[GroupKey]] = {}
+    for obs in observations:
+        keys.setdefault(obs.microbatch, []).append((obs.microbatch, obs.layer, obs.name))
+    on_host = {mb: [k for k in ks if expected[k].offloaded] for mb, ks in keys.items()}
+    forward_done: set[int] = set()
+    prefetched: set[GroupKey] = set()
+    for i, (kind, mb) in enumerate(order[: index + 1]):
+        if kind == "F":
+            forward_done.add(mb)
+            continue
+        later = [m for k, m in order[i + 1 :] if k == "B"]
+        nxt = later[0] if later else None
+        for _ in keys.get(mb, []):
+            if on_host.get(mb):
+                on_host[mb].pop()
+            elif nxt is not None and nxt in forward_done and on_host.get(nxt):
+                prefetched.add(on_host[nxt].pop())
+    return prefetched
+
+
 def freed_storages(
     observations: Sequence[GroupObservation],
     expected: dict[GroupKey, Expected],
