@@ -241,27 +241,6 @@ def zero3_rows(full: bool) -> list[Case]:
     return rows + [row.replace(min_ranks=2) for row in (SEED_ZERO3_CASE, MOE_ZERO3_CASE)]
 
 
-def full_matrix() -> list[Case]:
-    """Every family x applicable set x schedule x max-inflight x precision, then the ZeRO-3
-    rows."""
-    rows = []
-    for family in FAMILIES:
-        for _, names in applicable_sets(family):
-            for schedule, inflight, precision in itertools.product(
-                SCHEDULES_IN_MATRIX, INFLIGHT_VALUES, PRECISION_VALUES
-            ):
-                rows.append(
-                    Case(
-                        family=family,
-                        offload=names,
-                        schedule=schedule,
-                        precision=precision,
-                        max_inflight=inflight,
-                    )
-                )
-    return rows + zero3_rows(full=True)
-
-
 DETECTION_ROWS: tuple[Case, ...] = (
     Case(
         family="hybrid",
@@ -281,6 +260,27 @@ DETECTION_ROWS: tuple[Case, ...] = (
 )
 """Rows the default matrix carries for bug classes the family rows cannot show (a pooled
 buffer reused while its reload is pending; a no-grad pass taken as the warmup)."""
+
+
+def full_matrix() -> list[Case]:
+    """Every family x applicable set x schedule x max-inflight x precision, then the ZeRO-3
+    rows."""
+    rows = []
+    for family in FAMILIES:
+        for _, names in applicable_sets(family):
+            for schedule, inflight, precision in itertools.product(
+                SCHEDULES_IN_MATRIX, INFLIGHT_VALUES, PRECISION_VALUES
+            ):
+                rows.append(
+                    Case(
+                        family=family,
+                        offload=names,
+                        schedule=schedule,
+                        precision=precision,
+                        max_inflight=inflight,
+                    )
+                )
+    return rows + list(DETECTION_ROWS) + zero3_rows(full=True)
 
 
 def default_matrix() -> list[Case]:
