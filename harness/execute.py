@@ -192,12 +192,15 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     spec, run, config = env.spec(case), case.run_spec(), case.offload_config()
     kept = dict(keep_grads=True, keep_final_state=True, sharding=case.sharding)
     plain_sink: list[TransferCounts] = []
+    cuda = env.device.type == "cuda"
     plain = train(
         spec,
         run,
         NoOffload(),
         env.device,
-        hooks=profile_steps(env.device, {0, run.steps - 1}, plain_sink),
+        # The runner's own copies only matter on CUDA (on CPU only copies inside offload
+        # ranges are counted); profiling costs seconds per step on the CPU machine.
+        hooks=profile_steps(env.device, {0, run.steps - 1}, plain_sink) if cuda else None,
         **kept,
     )
     recorder = RecordingOffloader(config, env.device)
@@ -242,7 +245,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         counts=sink[-1],
         logged=log_by_group(offload.logs[-1].groups) if offload.logs else None,
         disabled=disabled[0],
-        runner_copies=(plain_sink[0], plain_sink[-1]),
+        runner_copies=(plain_sink[0], plain_sink[-1]) if plain_sink else None,
         seconds=time.perf_counter() - start,
     )
     for run_result in (plain, offload):  # compared; drop the copies (GBs on GPU-sized models)
