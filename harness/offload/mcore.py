@@ -32,7 +32,6 @@ Three things megatron-core expects from its surroundings are provided here:
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import sys
 import types
@@ -43,12 +42,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import PassThroughGroup
 from harness.offload.protocol import GroupRecord, IterationLog, Output
-from harness.offload.ranges import Direction, range_name
+from harness.offload.ranges import profiler_range
 from harness.offload.reference import RaceDelays
 from harness.predict import Semantics
 
@@ -92,11 +90,11 @@ def ensure_process_group() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def _maybe_range(direction: Direction, key: GroupKey) -> contextlib.AbstractContextManager[Any]:
-    if not torch._C._autograd._profiler_enabled():
-        return contextlib.nullcontext()
-    microbatch, layer, name = key
-    return record_function(range_name(direction, name, microbatch, layer))
+def _where(keys: dict[int, GroupKey], group: Any) -> tuple[str, int, int]:
+    """(name, microbatch, layer) of a megatron group for its profiler range (-1s when the
+    adapter never saw it start: such copies stay unattributed)."""
+    microbatch, layer, name = keys.get(id(group), (-1, -1, group._name))
+    return name, microbatch, layer
 
 
 def _sleep_on(stream: torch.cuda.Stream, cycles: int) -> None:
@@ -236,7 +234,7 @@ class McoreOffloader:
         def bulk_offload_group(group: Any) -> None:
             before = {tag for tag, v in group._tensors.items() if isinstance(v, tuple)}
             _sleep_on(chunk.d2h_stream, delays.d2h)
-            with _maybe_range("d2h", keys.get(id(group), (-1, -1, group._name))):
+            with profiler_range("d2h", *_where(keys, group)):
                 offload_group(group)
             for tag, state in group._tensors.items():
                 if isinstance(state, tuple) and tag not in before:
@@ -247,7 +245,7 @@ class McoreOffloader:
             group = chunk._groups_to_reload[-1]
             states = [v for v in group._tensors.values() if isinstance(v, tuple)]
             _sleep_on(chunk.h2d_stream, delays.h2d)
-            with _maybe_range("h2d", keys.get(id(group), (-1, -1, group._name))):
+            with profiler_range("h2d", *_where(keys, group)):
                 reload_group()
             for state in states:
                 count(group, "h2d_copies")
@@ -272,7 +270,7 @@ class McoreOffloader:
             count(group, "inline_reloads")
             if inline_waits:
                 torch.cuda.current_stream().wait_event(group._offload_event)
-            with _maybe_range("h2d", keys.get(id(group), (-1, -1, group._name))):
+            with profiler_range("h2d", *_where(keys, group)):
                 return tensor_pop(tag)
 
         chunk.bulk_offload_group = bulk_offload_group

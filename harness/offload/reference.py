@@ -38,14 +38,13 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from harness.offload.config import MOE_EXPERT_NAMES, OffloadConfig
 from harness.offload.passthrough import PassThroughGroup, apply_to_first
 from harness.offload.policy import apply_post_warmup
 from harness.offload.pool import HostBufferPool
 from harness.offload.protocol import GroupRecord, IterationLog, Output
-from harness.offload.ranges import Direction, range_name
+from harness.offload.ranges import Direction, profiler_range
 
 # A non-contiguous view covering at least this share of its storage is copied as the whole flat
 # storage (one DMA, layout restored on reload); a sparser view is gathered to contiguous.
@@ -691,11 +690,8 @@ class OffloadContext:
 
 
 def _profiler_range(direction: Direction, group: _Group) -> contextlib.AbstractContextManager[Any]:
-    """The group's named profiler range, or nothing when no profiler runs (a range costs tens
-    of microseconds per group even unprofiled)."""
-    if not torch._C._autograd._profiler_enabled():
-        return contextlib.nullcontext()
-    return record_function(range_name(direction, group.name, group.chunk.microbatch, group.layer))
+    """The group's named profiler range (``harness.offload.ranges.profiler_range``)."""
+    return profiler_range(direction, group.name, group.chunk.microbatch, group.layer)
 
 
 def _pop_offloaded(stack: list[_Group]) -> _Group | None:
