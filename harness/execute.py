@@ -236,7 +236,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         hooks=hooks,
         offload=offload,
         verdict=verdict(plain.losses, hooks.losses, offload.losses, case.tolerance),
-        grad_difference=_first_grad_difference(plain, offload),
+        grad_difference=first_grad_difference(plain, offload),
         weight_difference=first_tensor_difference(plain.final_state, offload.final_state),
         warmup_transfers=sink[0],
         proof_problems=offload_proof(case, spec, sink[0], run.microbatches),
@@ -261,7 +261,8 @@ def _closing(offloader: Offloader) -> Iterator[Offloader]:
         offloader.close()
 
 
-def _first_grad_difference(a: TrainResult, b: TrainResult) -> tuple[int, str, float] | None:
+def first_grad_difference(a: TrainResult, b: TrainResult) -> tuple[int, str, float] | None:
+    """(step, parameter, max |diff|) of the first kept gradient that is not bitwise equal."""
     for step, (ga, gb) in enumerate(zip(a.grads, b.grads, strict=True)):
         found = first_tensor_difference(ga, gb)
         if found is not None:

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from harness.bisect import Bisector
 from harness.cases import Case
 from harness.compare import first_divergence, first_tensor_difference, loss_table, verdict
+from harness.execute import first_grad_difference
 from harness.golden import trace_text
 from harness.models.hybrid import HybridModel
 from harness.offload.backends import resolve_backend
@@ -190,14 +191,6 @@ def first_layer_difference(spec: ReproSpec, step: int, microbatch: int) -> tuple
 # ---------------------------------------------------------------------------------- repro
 
 
-def _first_grad_difference(a: TrainResult, b: TrainResult) -> tuple[int, str, float] | None:
-    for step, (ga, gb) in enumerate(zip(a.grads, b.grads, strict=True)):
-        found = first_tensor_difference(ga, gb)
-        if found is not None:
-            return (step, *found)
-    return None
-
-
 @dataclass(kw_only=True)
 class ReproResult:
     """What a reproduction found."""
@@ -230,7 +223,7 @@ def reproduce(
     tolerance = spec.case.tolerance
     divergence = first_divergence(plain.losses, offload.losses, tolerance)
     say(f"first divergence: {divergence if divergence is not None else 'none'}")
-    grad = _first_grad_difference(plain, offload)
+    grad = first_grad_difference(plain, offload)
     weights = first_tensor_difference(plain.final_state, offload.final_state)
     diverged = divergence is not None or grad is not None or weights is not None
     if diverged:
