@@ -219,25 +219,28 @@ MOE_ZERO3_CASE = Case(
 )
 
 
+def _cycled_rows(**fixed: Any) -> list[Case]:
+    """One row per (family, offload set), cycling schedule, precision and max-inflight so every
+    value appears; ``fixed`` fields override the cycled ones."""
+    rows = []
+    sets = [(family, names) for family in FAMILIES for _, names in applicable_sets(family)]
+    for index, (family, names) in enumerate(sets):
+        cycled = {
+            "schedule": SCHEDULES_IN_MATRIX[index % 2],
+            "precision": PRECISION_VALUES[(index // 2) % 2],
+            "max_inflight": INFLIGHT_VALUES[index % 3],
+        }
+        rows.append(Case(family=family, offload=names, **{**cycled, **fixed}))
+    return rows
+
+
 def zero3_rows(full: bool) -> list[Case]:
     """The ZeRO-3 rows of a matrix (see the module docstring)."""
     rows = [SEED_ZERO3_CASE, MOE_ZERO3_CASE]
     if not full:
         return rows
-    index = 0
-    for family in FAMILIES:
-        for _, names in applicable_sets(family):
-            row = Case(
-                family=family,
-                offload=names,
-                schedule=SCHEDULES_IN_MATRIX[index % 2],
-                precision="bf16",
-                max_inflight=INFLIGHT_VALUES[index % 3],
-                sharding="zero3",
-            )
-            index += 1
-            if row.name not in {r.name for r in rows}:
-                rows.append(row)
+    taken = {r.name for r in rows}
+    rows += [r for r in _cycled_rows(precision="bf16", sharding="zero3") if r.name not in taken]
     return rows + [row.replace(min_ranks=2) for row in (SEED_ZERO3_CASE, MOE_ZERO3_CASE)]
 
 
@@ -286,20 +289,7 @@ def full_matrix() -> list[Case]:
 def default_matrix() -> list[Case]:
     """The seed case, then one row per (family, offload set) cycling the other axes, then the
     detection rows, then the seed's and one MoE row under ZeRO-3."""
-    rows = [SEED_CASE]
-    index = 0
-    for family in FAMILIES:
-        for _, names in applicable_sets(family):
-            row = Case(
-                family=family,
-                offload=names,
-                schedule=SCHEDULES_IN_MATRIX[index % 2],
-                precision=PRECISION_VALUES[(index // 2) % 2],
-                max_inflight=INFLIGHT_VALUES[index % 3],
-            )
-            index += 1
-            if row.name != SEED_CASE.name:
-                rows.append(row)
+    rows = [SEED_CASE, *(r for r in _cycled_rows() if r.name != SEED_CASE.name)]
     return rows + list(DETECTION_ROWS) + zero3_rows(full=False)
 
 
