@@ -63,7 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--matrix", default="default", choices=tuple(MATRICES))
     run.add_argument("--case", help="run only this case id (see `offload-harness cases`)")
     run.add_argument(
-        "--jobs", type=int, help="worker processes on CPU (default: one per core; CUDA: 1)"
+        "--jobs",
+        type=int,
+        help="worker processes (default: one per core on CPU, 1 on CUDA; on CUDA N workers share "
+        "the GPU, each with its own context and cpu_count // N threads)",
     )
     run.add_argument(
         "--update-golden",
@@ -119,7 +122,10 @@ def _device(value: str) -> torch.device:
     if value == "auto":
         value = "cuda" if torch.cuda.is_available() else "cpu"
     if value == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
+        # current_device() would initialise CUDA in this process; until something initialises
+        # it the current device is 0. Worker processes are spawned, never forked, in any case.
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+        return torch.device("cuda", index)
     return torch.device(value)
 
 
@@ -196,20 +202,21 @@ def _run_one(case: Case, env: Environment, update_golden: bool = False) -> dict[
 
 
 def _jobs(value: int | None, device: torch.device, cases: int) -> int:
+    """Worker processes: ``--jobs``, else one per core on CPU and 1 on CUDA; never more than
+    cases. On CUDA several workers share the GPU: each is its own (spawned) process with its
+    own CUDA context, and every check reads only its own process's state (allocator stats,
+    profiler, sync guard), so cases do not disturb each other; only their timing changes."""
     if value is not None and value < 1:
         raise UsageError(f"--jobs must be >= 1, got {value}")
-    if device.type == "cuda":
-        if value not in (None, 1):
-            raise UsageError("--jobs > 1 needs --device cpu (one GPU runs one case at a time)")
-        return 1
-    return min(value or os.cpu_count() or 1, cases)
+    default = 1 if device.type == "cuda" else os.cpu_count() or 1
+    return max(1, min(value or default, cases))
 
 
 def _run_all(
     cases: list[Case], env: Environment, jobs: int, update_golden: bool = False
 ) -> list[dict[str, Any]]:
-    """Run every case (in ``jobs`` worker processes on CPU), printing a line as each ends;
-    records come back in table order."""
+    """Run every case (in ``jobs`` spawned worker processes when jobs > 1, also on CUDA),
+    printing a line as each ends; records come back in table order."""
     records: list[dict[str, Any] | None] = [None] * len(cases)
     done = 0
 
@@ -228,9 +235,9 @@ def _run_all(
             began = time.perf_counter()
             report(index, _run_one(case, env, update_golden), time.perf_counter() - began)
         return records  # type: ignore[return-value]
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("spawn")  # never fork: CUDA cannot survive a fork
     with ProcessPoolExecutor(
-        jobs, mp_context=context, initializer=_worker_init, initargs=(jobs,)
+        jobs, mp_context=context, initializer=_worker_init, initargs=(jobs, env.device)
     ) as pool:
         futures = {
             pool.submit(_timed_case, case, env, update_golden): i for i, case in enumerate(cases)
@@ -241,10 +248,13 @@ def _run_all(
     return records  # type: ignore[return-value]
 
 
-def _worker_init(jobs: int) -> None:
+def _worker_init(jobs: int, device: torch.device | None = None) -> None:
     # Each worker gets its share of the cores; more intra-op threads would spin against the
-    # other workers'.
+    # other workers'. On CUDA every worker uses the parent's device (same index): make it the
+    # current one too, for streams and allocator queries that do not name a device.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // jobs))
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _timed_case(case: Case, env: Environment, update_golden: bool) -> tuple[dict[str, Any], float]:

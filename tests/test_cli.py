@@ -305,3 +305,259 @@ def _collected_case_ids(*options: str) -> list[str]:
 def test_matrix_option_parametrizes_case_tests(matrix: str) -> None:
     ids = _collected_case_ids("--matrix", matrix)
     assert ids == [c.name for c in MATRICES[matrix]()]
+
+
+# ------------------------------------------------------------------ --jobs, also on one GPU
+
+
+class _Stop(Exception):
+    """Raised by a stand-in to end a run before it would touch a device."""
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A visible GPU whose use in this (parent) process fails the test: picking the device,
+    counting jobs and spawning must not initialise CUDA here."""
+
+    def initialises(*args: object) -> int:
+        raise AssertionError("CUDA initialised in the parent process")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", initialises)
+    monkeypatch.setattr(torch.cuda, "set_device", initialises)
+
+
+@pytest.mark.parametrize(
+    ("jobs", "device", "cases", "expected"),
+    [
+        (None, "cuda", 21, 1),  # one GPU: one job unless asked
+        (4, "cuda", 21, 4),  # asked: workers share the GPU
+        (8, "cuda", 3, 3),  # never more workers than cases
+        (1, "cuda", 21, 1),
+        (3, "cpu", 21, 3),
+        (None, "cpu", 1, 1),
+    ],
+)
+def test_jobs(jobs: int | None, device: str, cases: int, expected: int) -> None:
+    from harness.cli import _jobs
+
+    assert _jobs(jobs, torch.device(device, 0 if device == "cuda" else None), cases) == expected
+
+
+def test_jobs_default_on_cpu_is_one_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.cli import _jobs
+
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert _jobs(None, torch.device("cpu"), 21) == 16
+    assert _jobs(None, torch.device("cpu"), 5) == 5
+
+
+@pytest.mark.parametrize("jobs", [None, "4"])
+def test_run_on_cuda_takes_jobs_without_initialising_cuda(
+    jobs: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run --device cuda --jobs 4`` is accepted: 4 workers on cuda:0 (1 without --jobs), and
+    nothing up to the spawn initialises CUDA in the parent."""
+    import harness.cli
+
+    _fake_cuda(monkeypatch)
+    seen: dict[str, Any] = {}
+
+    def run_all(cases: list[Any], env: Any, jobs: int, update_golden: bool = False) -> None:
+        seen.update(cases=len(cases), device=env.device, jobs=jobs, size=env.model_size)
+        raise _Stop
+
+    monkeypatch.setattr(harness.cli, "_run_all", run_all)
+    argv = ["run", "--device", "cuda", *(["--jobs", jobs] if jobs else [])]
+    with pytest.raises(_Stop):
+        main(argv)
+    assert seen == {
+        "cases": len(default_matrix()),
+        "device": torch.device("cuda", 0),
+        "jobs": 4 if jobs else 1,
+        "size": "small",
+    }
+
+
+def test_jobs_zero_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    _fake_cuda(monkeypatch)
+    assert main(["run", "--device", "cuda", "--jobs", "0"]) == 2
+    assert "--jobs must be >= 1" in _one_error_line(capsys)
+
+
+def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """jobs > 1 on CUDA: a spawn-context pool (never fork) whose initialiser gets the jobs and the
+    parent's device; the initialiser gives each worker cpu_count // jobs threads and makes that
+    device current."""
+    import harness.cli
+
+    _fake_cuda(monkeypatch)
+    device = torch.device("cuda", 0)
+    pools: list[dict[str, Any]] = []
+
+    class Pool:
+        def __init__(self, jobs: int, **kwargs: Any) -> None:
+            pools.append({"jobs": jobs, **kwargs})
+
+        def __enter__(self) -> Pool:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def submit(self, fn: Any, *args: Any) -> Any:
+            from concurrent.futures import Future
+
+            future: Future[Any] = Future()
+            future.set_result(fn(*args))
+            return future
+
+    monkeypatch.setattr(harness.cli, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(
+        harness.cli, "_timed_case", lambda case, env, update: ({"verdict": case.name}, 0.5)
+    )
+    env = harness.cli.Environment(device=device, backend="reference", model_size="small")
+    cases = default_matrix()[:5]
+    records = harness.cli._run_all(cases, env, 4)
+    assert [r["verdict"] for r in records] == [c.name for c in cases]
+    (pool,) = pools
+    assert pool["jobs"] == 4 and pool["mp_context"].get_start_method() == "spawn"
+    assert pool["initializer"] is harness.cli._worker_init
+    assert pool["initargs"] == (4, device)
+
+    threads: list[int] = []
+    devices: list[torch.device] = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    harness.cli._worker_init(*pool["initargs"])
+    harness.cli._worker_init(4, torch.device("cpu"))
+    harness.cli._worker_init(32)
+    assert threads == [4, 4, 1] and devices == [device]
+
+
+# ------------------------------------------------------------------- scripts/mutation_score
+
+MUTATION_SCORE = REPO / "scripts" / "mutation_score"
+
+
+@pytest.fixture(scope="module")
+def mutation_score() -> Any:
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader("mutation_score_script", str(MUTATION_SCORE))
+    spec = importlib.util.spec_from_loader("mutation_score_script", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("argv", "device", "jobs"),
+    [
+        (["--device", "cuda"], torch.device("cuda", 0), 1),
+        (["--device", "cuda", "--jobs", "8"], torch.device("cuda", 0), 8),
+        (["--device", "cuda:0", "--jobs", "4"], torch.device("cuda", 0), 4),
+        (["--device", "cpu", "--jobs", "2"], torch.device("cpu"), 2),
+    ],
+)
+def test_mutation_score_jobs_on_cuda(
+    mutation_score: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    device: torch.device,
+    jobs: int,
+) -> None:
+    """``--jobs N`` is accepted on CUDA (default 1) and reaches ``repeat_correct`` with the
+    device the workers use; the parent never initialises CUDA."""
+    _fake_cuda(monkeypatch)
+    seen: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(mutation_score, "repeat_correct", lambda *args: seen.append(args) or 0)
+    assert mutation_score.main([*argv, "--repeat-correct", "20"]) == 0
+    assert seen == [(20, device, "small" if device.type == "cuda" else "tiny", jobs)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device", "cuda:1"], "only 1 CUDA device"),
+        (["--device", "tpu"], "expected auto, cpu, cuda or cuda:<index>"),
+        (["--device", "cuda", "--jobs", "0"], "--jobs must be >= 1"),
+    ],
+)
+def test_mutation_score_bad_device_or_jobs(
+    mutation_score: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    message: str,
+) -> None:
+    _fake_cuda(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        mutation_score.main([*argv, "--repeat-correct", "1"])
+    assert message in f"{exit_info.value.code} {capsys.readouterr().err}"
+
+
+def test_mutation_score_workers_use_the_device(
+    mutation_score: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each case call sets its threads and, on CUDA, makes the parent's device current; the
+    pool is spawn-context."""
+    threads: list[int] = []
+    devices: list[torch.device] = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    mutation_score._use(torch.device("cuda", 0), 2)
+    mutation_score._use(torch.device("cpu"), 1)
+    assert threads == [2, 1] and devices == [torch.device("cuda", 0)]
+    pool = mutation_score._pool(2)
+    try:
+        assert pool._mp_context.get_start_method() == "spawn"
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_mutation_score_repeat_correct_prints_times(
+    mutation_score: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    jobs: int,
+) -> None:
+    """Per pass: clean cases and wall time; last line: alarms, case runs and total wall time.
+    With jobs > 1 every pass is queued on one pool (a thread pool stands in for the spawned
+    one) and the passes still come back in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = default_matrix()[:3]
+    alarm = rows[1].name
+    monkeypatch.setattr(mutation_score, "default_matrix", lambda: rows)
+    monkeypatch.setattr(
+        mutation_score,
+        "run_correct_case",
+        lambda case, device, size, threads: ["boom"] if case.name == alarm else [],
+    )
+    pools: list[int] = []
+
+    def pool(n: int) -> ThreadPoolExecutor:
+        pools.append(n)
+        return ThreadPoolExecutor(n)
+
+    monkeypatch.setattr(mutation_score, "_pool", pool)
+    assert mutation_score.repeat_correct(2, torch.device("cpu"), "tiny", jobs) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert pools == ([] if jobs == 1 else [jobs])
+    assert lines[0].startswith(f"2 passes x 3 cases on cpu, {jobs} job(s)")
+    passes = [line for line in lines if line.startswith("pass ")]
+    assert [line.split(" (")[0] for line in passes] == [
+        "pass 1/2: 2/3 cases clean",
+        "pass 2/2: 2/3 cases clean",
+    ]
+    assert all(line.endswith("s total)") and "s wall, " in line for line in passes), passes
+    assert sum(f"FALSE ALARM {alarm}: boom" in line for line in lines) == 2
+    assert lines[-1].startswith("false alarms: 2 in 2 passes (6 case runs, ")
+    assert "s wall: " in lines[-1] and "s per pass" in lines[-1] and "s per case run" in lines[-1]
