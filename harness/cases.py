@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.offload.config import OffloadConfig
-from harness.spec import ModelSpec, RunSpec, preset
+from harness.spec import IMPLS, ModelSpec, RunSpec, preset
 from harness.train import SHARDINGS
 
 _PRESETS = {  # (family, size) -> preset name
@@ -97,6 +97,11 @@ class Case:
     """Replace the family preset's layer pattern (custom cases from the command line)."""
     eval_first: bool = False
     """A no-grad forward pass of every microbatch before the first step (``RunSpec``)."""
+    impl: str = "harness"
+    """Who builds the model: ``harness`` (ours) or ``mcore`` (megatron-core's ``HybridModel``
+    with TransformerEngine layers, trained through its own schedule, DDP and distributed
+    optimizer; ``harness.mcore_models``). ``mcore`` rows run the sequential schedule only
+    (one pipeline stage), unsharded, with no evaluation pass first."""
     description: str = ""
     marks: tuple[Any, ...] = ()
     """pytest marks for this row."""
@@ -110,6 +115,15 @@ class Case:
             raise ValueError(f"min_ranks must be an int >= 1, got {self.min_ranks!r}")
         if self.min_ranks < 1:
             raise ValueError(f"min_ranks must be an int >= 1, got {self.min_ranks!r}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"unknown impl {self.impl!r}; known: {', '.join(IMPLS)}")
+        if self.impl == "mcore" and (
+            self.schedule != "sequential" or self.sharding != "none" or self.eval_first
+        ):
+            raise ValueError(
+                "impl 'mcore' rows run megatron-core's one-stage schedule (sequential), "
+                "unsharded, without an evaluation pass first"
+            )
         if self.tolerance and not self.tolerance_reason:
             raise ValueError(f"case {self.name}: a non-zero tolerance needs a tolerance_reason")
         self.offload_config()  # validates names and rules
@@ -121,7 +135,8 @@ class Case:
 
     @property
     def name(self) -> str:
-        parts = [f"{self.family}-{self.pattern}", "+".join(self.offload), self.schedule]
+        prefix = "mcore-" if self.impl == "mcore" else ""
+        parts = [f"{prefix}{self.family}-{self.pattern}", "+".join(self.offload), self.schedule]
         parts.append(self.precision)
         if self.max_inflight != 1:
             parts.append(f"inflight-{'none' if self.max_inflight is None else self.max_inflight}")
@@ -140,7 +155,7 @@ class Case:
         return "_".join(parts)
 
     def model_spec(self, size: str) -> ModelSpec:
-        spec = model_spec(self.family, size)
+        spec = model_spec(self.family, size).replace(impl=self.impl)
         return spec.replace(pattern=self.custom_pattern) if self.custom_pattern else spec
 
     def run_spec(self, seed: int = 1234) -> RunSpec:
@@ -265,6 +280,46 @@ DETECTION_ROWS: tuple[Case, ...] = (
 buffer reused while its reload is pending; a no-grad pass taken as the warmup)."""
 
 
+MCORE_ROWS: tuple[Case, ...] = (
+    SEED_CASE.replace(impl="mcore", description="the seed on megatron-core's own HybridModel"),
+    Case(
+        impl="mcore",
+        family="hybrid",
+        offload=ATTENTION_NAMES,
+        precision="bf16",
+        max_inflight=None,
+        description="every attention group of the MLA layers",
+    ),
+    Case(
+        impl="mcore",
+        family="moe",
+        offload=("expert_fc1", "moe_act"),
+        precision="bf16",
+        description="TransformerEngine's grouped MLP, selective expert names",
+    ),
+    Case(
+        impl="mcore",
+        family="moe-fused",
+        offload=("fused_group_mlp",),
+        precision="bf16",
+        max_inflight=0,
+        description="TransformerEngine's op-fuser grouped MLP as one group",
+    ),
+    Case(
+        impl="mcore",
+        family="hybrid-moe",
+        offload=(*ATTENTION_NAMES, "mlp_norm", "expert_fc1", "moe_act"),
+        precision="bf16",
+        description="every name of MLA and MoE layers",
+    ),
+)
+"""Rows on megatron-core's own models (``impl="mcore"``): the seed, then one per model family;
+bf16 as the seed runs it. Selected by ``--family mcore`` (or ``all``)."""
+
+FAMILY_CHOICES = ("harness", "mcore", "all")
+"""``--family``: whose models the session's rows build (``Case.impl``), or both."""
+
+
 def full_matrix() -> list[Case]:
     """Every family x applicable set x schedule x max-inflight x precision, then the ZeRO-3
     rows."""
@@ -296,17 +351,21 @@ def default_matrix() -> list[Case]:
 MATRICES = {"default": default_matrix, "full": full_matrix}
 
 
-def matrix(name: str) -> list[Case]:
-    """A matrix by name (``default`` or ``full``)."""
+def matrix(name: str, family: str = "harness") -> list[Case]:
+    """A matrix by name (``default`` or ``full``): its rows on our models (``family``
+    ``harness``), the ``MCORE_ROWS`` (``mcore``) or both (``all``)."""
     try:
-        return MATRICES[name]()
+        rows = MATRICES[name]()
     except KeyError:
         raise ValueError(f"unknown matrix {name!r}; known: {', '.join(MATRICES)}") from None
+    if family not in FAMILY_CHOICES:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILY_CHOICES)}")
+    return {"harness": rows, "mcore": list(MCORE_ROWS), "all": rows + list(MCORE_ROWS)}[family]
 
 
 def find_case(case_id: str) -> Case:
     """The row of the full matrix (or the default one) whose name is ``case_id``."""
-    for row in [*default_matrix(), *full_matrix()]:
+    for row in [*default_matrix(), *full_matrix(), *MCORE_ROWS]:
         if row.name == case_id:
             return row
     raise ValueError(

@@ -29,11 +29,25 @@ from typing import Any, NoReturn
 import torch
 
 from harness import golden
-from harness.cases import FAMILIES, MATRICES, MODEL_SIZES, Case, find_case, matrix, model_spec
+from harness.cases import (
+    FAMILIES,
+    FAMILY_CHOICES,
+    MATRICES,
+    MODEL_SIZES,
+    Case,
+    find_case,
+    matrix,
+    model_spec,
+)
 from harness.checks import case_problems, memory_problems
 from harness.execute import Environment, memory_unsupported, run_case, run_memory
 from harness.html import render_index
-from harness.offload.backends import backend_names, describe, resolve_backend
+from harness.offload.backends import (
+    backend_names,
+    backend_unavailable,
+    describe,
+    resolve_backend,
+)
 from harness.report import (
     case_record,
     memory_record,
@@ -61,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run cases and write a report")
     _where_flags(run)
     run.add_argument("--matrix", default="default", choices=tuple(MATRICES))
+    _family_flag(run)
     run.add_argument("--case", help="run only this case id (see `offload-harness cases`)")
     run.add_argument(
         "--jobs",
@@ -85,12 +100,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     listing = sub.add_parser("cases", help="list case ids")
     listing.add_argument("--matrix", default="default", choices=tuple(MATRICES))
+    _family_flag(listing)
     sub.add_parser("backends", help="list backend names, one line each with a description")
     return parser
 
 
+def _family_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--family",
+        default="harness",
+        choices=FAMILY_CHOICES,
+        help="whose models: harness (ours), mcore (megatron-core's HybridModel with "
+        "TransformerEngine; CUDA only; backend defaults to mcore) or all",
+    )
+
+
 def _where_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="reference", help="name or package.module:factory")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="name or package.module:factory (default: reference; mcore for megatron-core's "
+        "models)",
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--model-size", default="auto", choices=("auto", *MODEL_SIZES))
     parser.add_argument("--report-dir", default="reports", help="parent of the report folder")
@@ -154,12 +185,17 @@ def _custom_case(args: argparse.Namespace, pattern: str | None = None) -> Case:
         raise UsageError("a custom case needs both --pattern and --offload")
     parse_pattern(pattern)
     names = tuple(n.strip() for n in args.offload.split(",") if n.strip())
-    return Case(
-        family=_family(pattern, names),
-        offload=names,
-        custom_pattern=pattern,
-        **{**_DEFAULTS, **_overrides(args)},
-    )
+    impl = "mcore" if getattr(args, "family", "harness") == "mcore" else "harness"
+    try:
+        return Case(
+            family=_family(pattern, names),
+            offload=names,
+            custom_pattern=pattern,
+            impl=impl,
+            **{**_DEFAULTS, **_overrides(args)},
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _int(option: str, value: str) -> int:
@@ -176,7 +212,7 @@ def _select(args: argparse.Namespace) -> list[Case]:
         return [_custom_case(args)]
     if args.case:
         return [find_case(args.case)]
-    return matrix(args.matrix)
+    return matrix(args.matrix, args.family)
 
 
 def _run_one(case: Case, env: Environment, update_golden: bool = False) -> dict[str, Any]:
@@ -263,6 +299,9 @@ def _timed_case(case: Case, env: Environment, update_golden: bool) -> tuple[dict
 
 
 def _environment(args: argparse.Namespace) -> Environment:
+    if args.backend is None:  # megatron-core's models run megatron-core's offloader by default
+        mcore = getattr(args, "family", "harness") == "mcore" or str(args.case).startswith("mcore-")
+        args.backend = "mcore" if mcore else "reference"
     try:
         resolve_backend(args.backend)
     except ValueError as exc:
@@ -276,6 +315,16 @@ def _environment(args: argparse.Namespace) -> Environment:
     return Environment(device=device, backend=args.backend, model_size=size)
 
 
+def _unavailable(cases: list[Case], env: Environment) -> str | None:
+    """Why the backend or megatron-core's models cannot run the cases here (None if they can)."""
+    reason = backend_unavailable(env.backend, env.device)
+    if reason is None and any(case.impl == "mcore" for case in cases):
+        from harness.mcore_models import unavailable_reason
+
+        reason = unavailable_reason(env.device)
+    return reason
+
+
 def command_run(args: argparse.Namespace) -> int:
     env = _environment(args)
     try:
@@ -284,7 +333,10 @@ def command_run(args: argparse.Namespace) -> int:
             env.spec(case)  # every selected case applies to its model, before any run
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    table = {c.name for name in MATRICES for c in matrix(name)}
+    reason = _unavailable(cases, env)
+    if reason is not None:
+        raise UsageError(reason)
+    table = {c.name for name in MATRICES for c in matrix(name, "all")}
     if args.update_golden and any(c.name not in table for c in cases):
         raise UsageError("--update-golden: golden traces are kept for case-table rows only")
     jobs = _jobs(args.jobs, env.device, len(cases))
@@ -375,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         if args.command == "cases":
-            print("\n".join(c.name for c in matrix(args.matrix)))
+            print("\n".join(c.name for c in matrix(args.matrix, args.family)))
             return 0
         if args.command == "backends":
             names = backend_names()

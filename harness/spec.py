@@ -41,6 +41,11 @@ ALL_GROUP_NAMES: tuple[str, ...] = (
 
 MoEPath = Literal["unfused", "fused"]
 
+IMPLS: tuple[str, ...] = ("harness", "mcore")
+"""Who implements a model: ``harness`` (ours, ``harness.models``) or ``mcore`` (megatron-core's
+``HybridModel`` with TransformerEngine layers, ``harness.mcore_models``). Both read the same
+pattern and sizes and open the same groups in the same order."""
+
 
 def group_template(symbol: str, moe_path: MoEPath = "unfused") -> tuple[str, ...]:
     """Offload groups a layer of ``symbol`` opens, in start order (Megatron's templates).
@@ -145,6 +150,8 @@ class ModelSpec:
     moe_path: MoEPath = "unfused"
     """``unfused``: fc1 -> act -> fc2 (groups expert_fc1, moe_act); ``fused``: one unit
     (group fused_group_mlp)."""
+    impl: str = "harness"
+    """``harness`` or ``mcore`` (``IMPLS``)."""
     layers: tuple[str, ...] = field(init=False)
     """The parsed pattern, one symbol per layer."""
 
@@ -182,6 +189,8 @@ class ModelSpec:
             raise ValueError(
                 f"ModelSpec.moe_capacity_factor must be > 0, got {self.moe_capacity_factor!r}"
             )
+        if self.impl not in IMPLS:
+            raise ValueError(f"ModelSpec.impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
         if self.moe_path not in ("unfused", "fused"):
             raise ValueError(
                 f"ModelSpec.moe_path must be 'unfused' or 'fused', got {self.moe_path!r}"

@@ -182,11 +182,26 @@ def train(
     keep_final_state: bool = False,
     sharding: str = "none",
 ) -> TrainResult:
-    """Train ``run.steps`` steps of ``spec`` with ``offloader``; see the module docstring."""
+    """Train ``run.steps`` steps of ``spec`` with ``offloader``; see the module docstring
+    (``spec.impl == "mcore"``: ``harness.mcore_models.train``)."""
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}; known: {', '.join(SHARDINGS)}")
     device = torch.device(device)
     hooks = hooks or RunHooks()
+    if spec.impl == "mcore":  # megatron-core's model, schedule, DDP and optimizer
+        from harness import mcore_models
+
+        with deterministic(device):
+            return mcore_models.train(
+                spec,
+                run,
+                offloader,
+                device,
+                hooks=hooks,
+                keep_grads=keep_grads,
+                keep_final_state=keep_final_state,
+                sharding=sharding,
+            )
     with deterministic(device):
         if sharding == "zero3":
             model = shard_model(spec, run, device)

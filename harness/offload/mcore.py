@@ -22,7 +22,8 @@ Three things megatron-core expects from its surroundings are provided here:
   group raises; the shim is a namespace holding just that flag (it is only ever assigned).
 * **A process group.** The first reset after warmup prints a per-rank summary table with one
   ``all_gather_object`` and one ``barrier`` on the world group. Under torchrun the session's
-  group is used; a single process gets a one-rank gloo group on an in-memory store (no port).
+  group is used; a single process gets a one-rank NCCL group on an in-memory store (no port),
+  the group megatron-core's own models train on too (``harness.mcore_models``).
 * **Attribution for the transfer counter.** megatron-core emits NVTX ranges, not profiler
   ranges. Each chunk handler's offload, bulk-reload and pop methods are wrapped (per instance,
   semantics untouched) to open the harness's ``record_function`` range for the group being
@@ -32,17 +33,19 @@ Three things megatron-core expects from its surroundings are provided here:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 import sys
 import types
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from harness import distributed
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import PassThroughGroup
 from harness.offload.protocol import GroupRecord, IterationLog, Output
@@ -81,13 +84,6 @@ def provide_te_flag() -> str:
         extension.cpu_offload = types.SimpleNamespace(CPUOffloadEnabled=False)  # type: ignore[attr-defined]
         return "shim"
     return getattr(flag, "__name__", type(flag).__name__)
-
-
-def ensure_process_group() -> None:
-    """A process group for the post-warmup summary: the session's, or a one-rank gloo group."""
-    if dist.is_initialized():
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _where(keys: dict[int, GroupKey], group: Any) -> tuple[str, int, int]:
@@ -141,7 +137,6 @@ class McoreOffloader:
         Megatron-LM #7398). A mismatch that disappears with it is that race."""
         self.device = torch.device(device)
         self.te_flag = provide_te_flag()
-        ensure_process_group()
         self._mcore = importlib.import_module(MODULE)
         self._interface = self._mcore.FineGrainedActivationOffloadingInterface
         self._interface.reset_instance()
@@ -153,12 +148,57 @@ class McoreOffloader:
         self._wrapped: set[int] = set()
         self._counts: dict[GroupKey, Counter[str]] = {}
         self._logs: list[IterationLog] = []
+        self._native = False
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @contextlib.contextmanager
+    def native(self, layer: Callable[[], int]) -> Iterator[None]:
+        """Watch megatron-core's own modules drive the manager (``harness.mcore_models``):
+        its model forward opens the chunks, its layers the groups, its schedule resets. Inside,
+        ``begin_microbatch`` only notes the microbatch and ``end_iteration`` does nothing; each
+        group start is keyed by (microbatch, ``layer()``, name) and its chunk instrumented, a
+        commit adds the compute-stream delay, and megatron-core's reset logs the iteration
+        first."""
+        mcore, interface = self._mcore, self._interface
+        start = mcore.fine_grained_offloading_group_start
+        commit = mcore.fine_grained_offloading_group_offload
+        reset = inspect.getattr_static(interface, "reset")
+
+        def group_start(tensor: torch.Tensor, name: str | None = None) -> Any:
+            out = start(tensor, name)
+            self._started(str(name), layer())
+            return out
+
+        def group_offload(*args: Any, **kwargs: Any) -> Any:
+            out = commit(*args, **kwargs)
+            if self.delays.compute:
+                torch.cuda._sleep(self.delays.compute)
+            return out
+
+        def logged_reset() -> None:
+            self._log_iteration()
+            reset.__func__()
+
+        mcore.fine_grained_offloading_group_start = group_start
+        mcore.fine_grained_offloading_group_offload = group_offload
+        interface.reset = staticmethod(logged_reset)
+        self._native = True
+        try:
+            yield
+        finally:
+            self._native = False
+            interface.reset = reset
+            mcore.fine_grained_offloading_group_offload = commit
+            mcore.fine_grained_offloading_group_start = start
 
     # -- protocol --------------------------------------------------------------------------
 
     def begin_microbatch(self, microbatch: int) -> None:
         self._microbatch = microbatch
-        if not self._enabled:
+        if not self._enabled or self._native:
             return
         c = self.config
         self._interface.init_chunk_handler(
@@ -181,9 +221,16 @@ class McoreOffloader:
             self._interface.mark_not_offload(tensor)
 
     def end_iteration(self) -> None:
+        if self._native:  # megatron-core's schedule has reset (and logged) already
+            return
+        self._log_iteration()
+        # First needed here: the post-warmup summary's collectives.
+        distributed.ensure_process_group(self.device)
+        self._interface.reset()
+
+    def _log_iteration(self) -> None:
         if self._manager._cached_chunks_forward or self._logs:
             self._logs.append(self._iteration_log())
-        self._interface.reset()
         self._counts = {}
 
     def set_enabled(self, enabled: bool) -> None:

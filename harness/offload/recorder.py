@@ -119,6 +119,15 @@ class _RecordingGroup:
         return apply_to_first(output, _Identity.apply)
 
 
+def _opted_out(tensor: torch.Tensor) -> bool:
+    """The tensor object carries an offload opt-out attribute: megatron-core's
+    ``_do_not_offload`` (its ``mark_not_offload``) or TransformerEngine's
+    ``_TE_do_not_offload``, which megatron-core's checker honours too."""
+    return bool(
+        getattr(tensor, "_do_not_offload", False) or getattr(tensor, "_TE_do_not_offload", False)
+    )
+
+
 def _unpack(packed: Any) -> torch.Tensor:
     return packed.tensor
 
@@ -174,7 +183,8 @@ class RecordingOffloader:
             on_device=_same_device(tensor.device, self.device),
             parameter=isinstance(tensor, torch.nn.Parameter) or self._is_marked(ptr),
             marked_itself=isinstance(tensor, torch.nn.Parameter)
-            or any(tensor is t for t in self._marked.values()),
+            or any(tensor is t for t in self._marked.values())
+            or _opted_out(tensor),
         )
 
     def _is_marked(self, ptr: int) -> bool:

@@ -1,0 +1,148 @@
+"""The ``mcore`` model family's plumbing that runs without megatron-core: the case table's
+``impl`` column, ``--family`` selection and collection skips, and the bridge that lets a harness
+offloader stand in for megatron-core's offloading interface (driven here the way megatron-core's
+layers drive it). The models themselves need CUDA, TransformerEngine and megatron-core: the GPU
+runs of ``pytest cases/ --family mcore`` exercise them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.cases import MCORE_ROWS, SEED_CASE, Case, matrix
+from harness.mcore_models import Bridge, unavailable_reason
+from harness.offload.config import OffloadConfig
+from harness.offload.recorder import RecordingOffloader
+from harness.spec import ModelSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTEST = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--report-dir", "")
+
+
+def test_mcore_rows_are_named_apart_and_build_megatron_specs() -> None:
+    names = [row.name for row in MCORE_ROWS]
+    assert names[0] == "mcore-" + SEED_CASE.name
+    assert all(name.startswith("mcore-") for name in names)
+    assert len(set(names)) == len(names)
+    assert {row.model_spec("small").impl for row in MCORE_ROWS} == {"mcore"}
+    fused = next(row for row in MCORE_ROWS if row.family == "moe-fused")
+    assert fused.model_spec("small").moe_path == "fused"
+
+
+def test_family_selects_rows() -> None:
+    ours = matrix("default")
+    assert all(row.impl == "harness" for row in ours)
+    assert matrix("default", "mcore") == list(MCORE_ROWS)
+    assert matrix("default", "all") == ours + list(MCORE_ROWS)
+    with pytest.raises(ValueError, match="unknown family 'gpt'"):
+        matrix("default", "gpt")
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(schedule="1f1b"), dict(sharding="zero3"), dict(eval_first=True)],
+    ids=["1f1b", "zero3", "evalfirst"],
+)
+def test_mcore_rows_refuse_what_one_megatron_stage_cannot_run(changes: dict) -> None:
+    with pytest.raises(ValueError, match="one-stage schedule"):
+        SEED_CASE.replace(impl="mcore", **changes)
+
+
+def test_unknown_impl_is_one_line() -> None:
+    with pytest.raises(ValueError, match="unknown impl 'te'; known: harness, mcore"):
+        SEED_CASE.replace(impl="te")
+    with pytest.raises(ValueError, match=r"ModelSpec\.impl must be one of harness, mcore"):
+        ModelSpec(pattern="+-", impl="te")
+
+
+def test_cpu_has_no_megatron_models() -> None:
+    assert "needs a CUDA device" in str(unavailable_reason("cpu"))
+
+
+def test_family_mcore_skips_at_collection_on_cpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU skip reason")
+    out = subprocess.run(
+        [*PYTEST, "cases/test_equivalence.py", "--family", "mcore", "-rs"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SKIPPED [{2 * len(MCORE_ROWS)}]" in out.stdout
+    assert "impl 'mcore' needs a CUDA device" in out.stdout
+    assert "passed" not in out.stdout.splitlines()[-1]
+
+
+def test_bad_family_is_a_usage_error() -> None:
+    out = subprocess.run(
+        [*PYTEST, "cases/", "--family", "gpt"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 4
+    assert "--family must be one of harness, mcore, all; got 'gpt'" in out.stderr
+
+
+def _layer_norm_like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight)
+
+
+def test_bridge_drives_a_harness_offloader_at_megatron_boundaries() -> None:
+    """Open, hook and commit as megatron-core's layers do; the recorder sees each selected group
+    with the tracked layer, the flag is set only inside selected groups."""
+    recorder = RecordingOffloader(OffloadConfig(offload_modules=("core_attn",)), "cpu")
+    flag = types.SimpleNamespace(CPUOffloadEnabled=False)
+    seen: list[bool] = []
+    layer = [3]
+    bridge = Bridge(recorder, lambda: layer[0], flag)
+    weight = torch.nn.Parameter(torch.ones(8))
+    bridge.init_chunk_handler(0, None, None, 1024, 0, 1.0, max_inflight_offloads=None)
+    bridge.mark_not_offload(weight)
+    recorder.begin_microbatch(0)
+    x = torch.randn(2, 8, requires_grad=True)
+
+    unselected = bridge(False, x, "attn_norm")
+    with unselected as y:
+        seen.append(flag.CPUOffloadEnabled)
+        z = _layer_norm_like(y, weight)
+    assert y is x
+    assert unselected.group_offload(z, forced_released_tensors=[y]) is z
+
+    selected = bridge(True, z, "core_attn")
+    with selected as q:
+        seen.append(flag.CPUOffloadEnabled)
+        out = (q * q).sum(-1)
+    seen.append(flag.CPUOffloadEnabled)
+    out = selected.group_offload(out, forced_released_tensors=[q])
+    bridge.reset()  # megatron-core's schedule calls it; the runner ends the iteration
+    recorder.end_iteration()
+    out.sum().backward()
+
+    assert seen == [False, True, False]
+    (observation,) = recorder.iterations[0]
+    assert (observation.microbatch, observation.layer, observation.name) == (0, 3, "core_attn")
+    assert [s.shape for s in observation.saved] == [(2, 8), (2, 8)]
+    assert [s.shape for s in observation.released] == [(2, 8)]
+    assert x.grad is not None
+
+
+def test_bridge_refuses_interface_parts_it_does_not_offer() -> None:
+    bridge = Bridge(
+        RecordingOffloader(OffloadConfig(offload_modules=("core_attn",)), "cpu"), lambda: 0, None
+    )
+    with pytest.raises(NotImplementedError, match=r"off_interface\.forward_record"):
+        bridge.forward_record()
+
+
+def test_case_family_column_is_validated_with_the_rest() -> None:
+    row = Case(impl="mcore", family="moe", offload=("expert_fc1", "moe_act"), precision="bf16")
+    assert row.name == "mcore-moe-*E*E_expert_fc1+moe_act_sequential_bf16"
