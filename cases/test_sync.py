@@ -40,6 +40,11 @@ def guarded_run(case: Case, env: Environment) -> GuardedRun:
 def test_no_host_sync(
     case: Case, run_training: Callable[..., object], record_result: Callable[..., None]
 ) -> None:
+    if case.impl == "mcore":
+        pytest.skip(
+            "not guarded on megatron-core's models: their own modules drive megatron-core's "
+            "offloader, not the harness protocol the guard wraps (it is guarded on ours)"
+        )
     try:
         res = run_training(guarded_run, case)
     except HostSyncError as exc:

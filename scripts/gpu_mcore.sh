@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# megatron-core's own models (family mcore) on a GPU box where TransformerEngine and megatron-core
+# import (../shared/gpu/README.md installs both). In order, each section with its own time limit
+# so one slow part cannot eat the others' output:
+#   seed        the seed case through `offload-harness run` with megatron-core's offloader
+#   seed-delays the same with race-provocation delays on its streams (mcore+delays)
+#   cases       every mcore row, every case file (pytest cases/ --family mcore)
+#   moe-delays  the MoE rows (both expert paths) under delays
+#   bridge      the mcore rows with the harness's reference offloader inside megatron-core's
+#               modules (through the bridge)
+# Logs and reports go to $OUT (default reports/gpu-mcore); limits: T_<SECTION> seconds.
+set -uo pipefail
+OUT=${OUT:-reports/gpu-mcore}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+SEED='mcore-hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16'
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, transformer_engine as te, megatron.core as mc
+print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformer_engine', \
+te.__version__, '| megatron-core', mc.__version__)"
+} > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+section() {  # section NAME LIMIT COMMAND...
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name rc=$? in $((SECONDS - start))s"
+  tail -n "${TAIL:-12}" "$OUT/$name.log"
+}
+run() { python3 -m harness run --family mcore --device cuda --report-dir "$OUT/reports" "$@"; }
+cases() {
+  python3 -m pytest -q -p no:cacheprovider --family mcore --device cuda --tb=short -rfEs \
+    --report-dir "$OUT/reports" "$@"
+}
+
+section seed "${T_SEED:-150}" run --case "$SEED"
+section seed-delays "${T_SEED_DELAYS:-90}" run --case "$SEED" --backend 'mcore+delays'
+section cases "${T_CASES:-240}" cases cases/
+section moe-delays "${T_MOE_DELAYS:-90}" cases cases/test_equivalence.py \
+  cases/test_transfers.py -k moe --backend 'mcore+delays'
+section bridge "${T_BRIDGE:-90}" cases cases/test_equivalence.py cases/test_transfers.py \
+  --backend reference
+tar -czf "$OUT/reports.tgz" -C "$OUT" reports 2>/dev/null && rm -rf "$OUT/reports"
