@@ -174,6 +174,10 @@ def transformer_config(
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_expert_capacity_factor=spec.moe_capacity_factor,
+            # Every expert's input padded to its capacity, as the harness's MoE layers do: the
+            # shapes of expert_fc1/moe_act/fused_group_mlp tensors do not follow the routing, so
+            # the warmup's record predicts every later step's bytes.
+            moe_pad_expert_input_to_capacity=True,
             use_transformer_engine_op_fuser=spec.moe_path == "fused",
         )
     if offload is not None:
@@ -405,6 +409,7 @@ def train(
     if reason is not None:
         raise ValueError(reason)
     ensure_parallel_state(device)
+    _warm_process(spec, run, device)
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -506,6 +511,35 @@ def train(
         losses=losses.cpu(), logs=offloader.iteration_logs(), grads=grads, final_state=state
     )
     return result
+
+
+_WARMED: set[tuple[ModelSpec, str]] = set()
+
+
+def _warm_process(spec: ModelSpec, run: RunSpec, device: torch.device) -> None:
+    """One unmeasured plain step of ``spec`` before the process's first run of it.
+
+    megatron-core and TransformerEngine set things up lazily in the first step a process takes
+    with a model shape (measured on the H200: the first plain step of the seed's model made 392
+    DtoH/HtoD copies, a later model's first step 2), so without this the first run of a
+    process would not be comparable with the next ones (the disabled run is compared with the
+    plain run's step 0 copy for copy)."""
+    key = (spec, run.precision)
+    if key in _WARMED:
+        return
+    _WARMED.add(key)
+    from harness.train import RunHooks
+
+    train(
+        spec,
+        run.replace(steps=1),
+        NoOffload(),
+        device,
+        hooks=RunHooks(),
+        keep_grads=False,
+        keep_final_state=False,
+        sharding="none",
+    )
 
 
 def _main_grads(named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:

@@ -29,17 +29,19 @@ section() {  # section NAME LIMIT COMMAND...
   echo "== $name rc=$? in $((SECONDS - start))s"
   tail -n "${TAIL:-12}" "$OUT/$name.log"
 }
-run() { python3 -m harness run --family mcore --device cuda --report-dir "$OUT/reports" "$@"; }
-cases() {
-  python3 -m pytest -q -p no:cacheprovider --family mcore --device cuda --tb=short -rfEs \
-    --report-dir "$OUT/reports" "$@"
-}
+RUN=(python3 -m harness run --family mcore --device cuda --report-dir "$OUT/reports")
+CASES=(python3 -m pytest -q -p no:cacheprovider --family mcore --device cuda --tb=short -rfEs
+  --report-dir "$OUT/reports")
 
-section seed "${T_SEED:-150}" run --case "$SEED"
-section seed-delays "${T_SEED_DELAYS:-90}" run --case "$SEED" --backend 'mcore+delays'
-section cases "${T_CASES:-240}" cases cases/
-section moe-delays "${T_MOE_DELAYS:-90}" cases cases/test_equivalence.py \
+section seed "${T_SEED:-150}" "${RUN[@]}" --case "$SEED"
+section seed-delays "${T_SEED_DELAYS:-90}" "${RUN[@]}" --case "$SEED" --backend 'mcore+delays'
+# UPDATE_GOLDEN=1 records the mcore rows' golden traces (cases/golden/<kind>/, tarred to $OUT).
+section cases "${T_CASES:-240}" "${CASES[@]}" cases/ ${UPDATE_GOLDEN:+--update-golden}
+section moe-delays "${T_MOE_DELAYS:-90}" "${CASES[@]}" cases/test_equivalence.py \
   cases/test_transfers.py -k moe --backend 'mcore+delays'
-section bridge "${T_BRIDGE:-90}" cases cases/test_equivalence.py cases/test_transfers.py \
+section bridge "${T_BRIDGE:-90}" "${CASES[@]}" cases/test_equivalence.py cases/test_transfers.py \
   --backend reference
 tar -czf "$OUT/reports.tgz" -C "$OUT" reports 2>/dev/null && rm -rf "$OUT/reports"
+if [ -n "${UPDATE_GOLDEN:-}" ]; then
+  tar -czf "$OUT/golden.tgz" cases/golden/*/mcore-*
+fi
