@@ -1,10 +1,37 @@
 """Count the offload copies a profiled run really made, per offload group, from its profiler trace.
 
+Where the events come from
+    The counters read the profiler's chrome-trace events: complete events with a ``name``, a
+    ``cat``, a ``pid``/``tid``, ``ts``/``dur`` and ``args``. Two readers produce the same event
+    stream (``count_transfers(..., source=...)``):
+
+    in memory (default for a finished profiler, when torch exposes it) - Kineto's activity list,
+        ``prof.profiler.kineto_results.trace_activities()``: the very list that
+        ``export_chrome_trace`` serializes. Kineto's chrome writer (``ChromeTraceLogger``, and
+        torch's Python port ``torch.profiler._chrome_trace_export``) prints ``cat`` =
+        ``type()``, ``pid`` = ``device_id()``, ``tid`` = ``sanitizeTid(resource_id())``,
+        ``ts``/``dur`` = ``timestamp()``/``max(duration(), 0)`` (ns, shifted by one constant),
+        ``args`` = ``metadata_json()``; we build the same events from the same getters, with
+        integer ns and no JSON round trip (``metadata_json`` is parsed only for the few events
+        whose ``args`` a counter reads). ``kineto_results.events()`` is deliberately not used:
+        it renumbers threads (RecordFunction ids; a runtime call inherits the thread of the op it
+        is linked to, an unlinked one the thread that stopped the profiler) and holds memcpy
+        sizes only with ``expose_kineto_event_metadata``, so it is not the chrome trace's data.
+    chrome trace - ``export_chrome_trace`` to a temporary file, parsed back (``Decimal`` for
+        exact ns); also how trace files and dicts (golden traces, tests) are always read. Several
+        times slower; kept as the reference, for torch builds without ``trace_activities``, and
+        to diagnose a suspected in-memory mismatch (``source="trace"``, or the environment
+        variable ``OFFLOAD_HARNESS_TRANSFERS_SOURCE=trace`` for a whole ``offload-harness``
+        run).
+    CPU mode is proven identical both ways on real runs (``tests/test_transfers.py``). Device
+    mode reads the same fields the same way (tested on synthetic activities against torch's
+    chrome writer), but equality on real CUDA traces is only proven on a GPU machine, by
+    ``pytest tests/test_transfers.py -k memory_counts_match_chrome_trace``.
+
 How a copy is attributed to a group (``harness.offload.ranges.RangeKey``)
     Every backend runs a group's copies inside
     ``record_function(range_name(direction, name, microbatch, layer))``; the profiler records that
-    as a CPU ``user_annotation`` event on the issuing thread. We read the exported chrome trace
-    (JSON is the interface that stays stable across torch versions) and attribute:
+    as a CPU ``user_annotation`` event on the issuing thread. We attribute:
 
     device (CUDA) mode - each device memcpy (``Memcpy DtoH ...`` / ``Memcpy HtoD ...``):
         1. ``args.correlation`` links the memcpy to the CUDA runtime/driver call that enqueued
@@ -22,8 +49,8 @@ How a copy is attributed to a group (``harness.offload.ranges.RangeKey``)
         ``Input type`` (needs ``record_shapes=True``). Direction comes from the range (host to
         host copies have none), so ``unattributed`` is always zero in this mode.
 
-Timestamps are compared as exact integer nanoseconds (the JSON is parsed with ``Decimal``): trace
-timestamps are large microsecond values whose nanosecond digits do not survive a float.
+Timestamps are compared as exact integer nanoseconds (a chrome trace is parsed with ``Decimal``):
+trace timestamps are large microsecond values whose nanosecond digits do not survive a float.
 """
 
 from __future__ import annotations
@@ -44,15 +71,22 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from harness.offload.ranges import Direction, RangeKey, parse_range_name
+from harness.offload.ranges import PREFIX, Direction, RangeKey, parse_range_name
 
 Mode = Literal["auto", "device", "cpu"]
+Source = Literal["auto", "memory", "trace"]
+SOURCE_ENV = "OFFLOAD_HARNESS_TRANSFERS_SOURCE"
+"""Environment variable: ``trace`` makes ``source="auto"`` count from the exported chrome trace
+(e.g. ``OFFLOAD_HARNESS_TRANSFERS_SOURCE=trace offload-harness run ...`` to rule the in-memory
+reader out when a count looks wrong)."""
 DIRECTIONS: tuple[Direction, ...] = ("d2h", "h2d")
 
 _MEMCPY_PREFIXES: dict[str, Direction] = {"Memcpy DtoH": "d2h", "Memcpy HtoD": "h2d"}
 _LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver", "runtime", "driver"})
 _DEVICE_CATS = _LAUNCH_CATS | {"kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset"}
 _CPU_OP_CATS = frozenset({"cpu_op", "operator"})
+# Activity types the chrome trace writer does not write as complete ("X") events.
+_NOT_COMPLETE_CATS = frozenset({"cpu_instant_event", "mtia_counters", "xpu_scope_profiler"})
 _COPY_OP = "aten::copy_"
 
 # Element sizes by the C++ type name the profiler writes in ``Input type`` (c10 TypeMeta names,
@@ -172,19 +206,39 @@ class _Span(NamedTuple):
 
 # ------------------------------------------------------------------------------------ public API
 def count_transfers(
-    source: profile | str | os.PathLike[str] | Mapping[str, Any], *, mode: Mode = "auto"
+    profiled: profile | str | os.PathLike[str] | Mapping[str, Any],
+    /,
+    *,
+    mode: Mode = "auto",
+    source: Source = "auto",
 ) -> TransferCounts:
     """Count offload copies per range from a finished profiler, a chrome trace file (``.json`` or
     ``.json.gz``) or an already parsed trace dict.
 
     ``mode="auto"`` picks device mode when the trace holds any device activity (CUDA runtime
     calls, kernels, memcpys), else CPU mode.
+
+    ``source`` says where a profiler's events are read: ``"memory"`` - its Kineto activities,
+    in memory (the list its chrome trace is written from); ``"trace"`` - its exported chrome
+    trace, parsed back (slow; the reference the in-memory reader is tested against);
+    ``"auto"`` - memory when this torch exposes the activities (else the trace), unless the
+    ``OFFLOAD_HARNESS_TRANSFERS_SOURCE`` environment variable says ``trace``. Files and dicts
+    are always read as chrome traces. Reading in memory can be repeated and leaves the
+    profiler's one ``export_chrome_trace`` (torch refuses a second: "Trace is already saved") to
+    the caller; ``"trace"`` uses it up.
     """
-    events = list(_events(load_trace(source)))
-    if mode == "auto":
-        mode = "device" if any(_is_device_event(e) for e in events) else "cpu"
-    if mode not in ("device", "cpu"):
+    if mode not in ("auto", "device", "cpu"):
         raise ValueError(f"mode must be 'auto', 'device' or 'cpu', got {mode!r}")
+    if source not in ("auto", "memory", "trace"):
+        raise ValueError(f"source must be 'auto', 'memory' or 'trace', got {source!r}")
+    activities = _activities(profiled, source)
+    if activities is not None:
+        events, has_device = _memory_events(activities)
+    else:
+        events = list(_events(load_trace(profiled)))
+        has_device = any(_is_device_event(e) for e in events)
+    if mode == "auto":
+        mode = "device" if has_device else "cpu"
     ranges = _our_ranges(events)
     return _count_device(events, ranges) if mode == "device" else _count_cpu(events, ranges)
 
@@ -303,6 +357,103 @@ def _ns(microseconds: int | float | Decimal | str) -> int:
 
 def _is_device_event(event: _Event) -> bool:
     return event.cat in _DEVICE_CATS or event.name.startswith("Memcpy ")
+
+
+# ---------------------------------------------------------------------------- in-memory events
+def _activities(profiled: object, source: Source) -> Iterable[Any] | None:
+    """The Kineto activities of a finished profiler when they are to be read in memory; None
+    when the chrome trace is to be read instead."""
+    if isinstance(profiled, Mapping | str | os.PathLike):
+        if source == "memory":
+            raise TypeError("source='memory' needs a finished profiler, not a trace file/dict")
+        return None
+    if source == "trace" or (source == "auto" and os.environ.get(SOURCE_ENV) == "trace"):
+        return None
+    # torch.profiler.profile wraps a torch.autograd.profiler.profile, which holds the result
+    result = getattr(getattr(profiled, "profiler", profiled), "kineto_results", None)
+    if result is not None and hasattr(result, "trace_activities"):
+        return result.trace_activities()
+    if source == "memory":
+        raise TypeError(
+            f"cannot read {profiled!r} in memory: not a finished profiler, or this torch "
+            f"({torch.__version__}) does not expose its Kineto activities (trace_activities)"
+        )
+    return None
+
+
+class _Metadata(Mapping[str, Any]):
+    """An activity's ``metadata_json`` - what the chrome trace writes as the event's ``args`` -
+    parsed on first use (most events' args are never read)."""
+
+    __slots__ = ("_activity", "_parsed")
+
+    def __init__(self, activity: Any) -> None:
+        self._activity = activity
+        self._parsed: dict[str, Any] | None = None
+
+    def _args(self) -> dict[str, Any]:
+        if self._parsed is None:
+            text = self._activity.metadata_json()
+            try:
+                self._parsed = json.loads(f"{{{text}}}", strict=False) if text.strip() else {}
+            except ValueError as error:
+                raise TraceFormatError(
+                    f"unreadable metadata of profiler event {self._activity.name()!r}: {text!r} "
+                    "(count_transfers(..., source='trace') reads the chrome trace instead)"
+                ) from error
+        return self._parsed
+
+    def __getitem__(self, key: str) -> Any:
+        return self._args()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._args())
+
+    def __len__(self) -> int:
+        return len(self._args())
+
+
+def _sanitize_tid(tid: int) -> int:
+    """The ``tid`` the chrome trace writer prints for a resource id (Kineto's ``sanitizeTid``)."""
+    return 0 if tid == -(2**63) else abs(tid)
+
+
+def _memory_events(activities: Iterable[Any]) -> tuple[list[_Event], bool]:
+    """The events the counters read, built from Kineto activities the way the chrome trace
+    writer turns them into complete events (``pid`` = ``device_id()``, ``tid`` = sanitized
+    ``resource_id()``, ``cat`` = ``type()``, ``ts``/``dur`` = ``timestamp()``/``duration()`` in
+    ns, ``args`` = ``metadata_json()``), and whether any of them is device activity.
+
+    Only the events a counter can use are kept: annotations named like our ranges, ``aten::copy_``
+    CPU ops, CUDA runtime/driver calls and memcpys; the rest are only checked for device
+    activity."""
+    events: list[_Event] = []
+    has_device = False
+    for activity in activities:
+        cat, name = activity.type().lower(), activity.name()
+        if cat in _NOT_COMPLETE_CATS:
+            continue
+        memcpy = name.startswith("Memcpy ")  # the device counter's test, whatever the cat
+        has_device = has_device or memcpy or cat in _DEVICE_CATS
+        if not (
+            memcpy
+            or cat in _LAUNCH_CATS
+            or (cat == "user_annotation" and name.startswith(PREFIX))
+            or (cat in _CPU_OP_CATS and name == _COPY_OP)
+        ):
+            continue
+        start = activity.timestamp()
+        events.append(
+            _Event(
+                name=name,
+                cat=cat,
+                thread=(activity.device_id(), _sanitize_tid(activity.resource_id())),
+                start=start,
+                end=start + max(activity.duration(), 0),
+                args=_Metadata(activity),
+            )
+        )
+    return events, has_device
 
 
 def _our_ranges(events: Iterable[_Event]) -> dict[tuple[Any, Any], list[_Span]]:

@@ -5,20 +5,30 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
+import time
+from collections.abc import Callable
+from decimal import Decimal
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+import harness.transfers
 from harness.offload.config import OffloadConfig
 from harness.offload.ranges import RangeKey, range_name
 from harness.offload.reference import OffloadContext
+from harness.spec import RunSpec, preset
+from harness.train import train
 from harness.transfers import (
     ELEMENT_SIZES,
+    SOURCE_ENV,
     Counts,
     TraceFormatError,
+    TransferCounts,
     count_transfers,
     element_size,
     profile_transfers,
@@ -172,12 +182,13 @@ def test_conversion_copy_counts_once_with_destination_bytes() -> None:
     assert counts.by_range == {RangeKey("d2h", "core_attn", 0, 0): Counts(1, 4 * 6 * 2)}
 
 
-def test_missing_shapes_raise_a_clear_error() -> None:
+@pytest.mark.parametrize("source", ["memory", "trace"])
+def test_missing_shapes_raise_a_clear_error(source: str) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function(range_name("d2h", "core_attn", 0, 0)):
             torch.empty(3).copy_(torch.ones(3))
     with pytest.raises(TraceFormatError, match="record_shapes=True"):
-        count_transfers(prof, mode="cpu")
+        count_transfers(prof, mode="cpu", source=source)  # type: ignore[arg-type]
 
 
 def test_transfer_profiler_records_shapes() -> None:
@@ -187,6 +198,145 @@ def test_transfer_profiler_records_shapes() -> None:
     counts = count_transfers(prof)
     assert counts.mode == "cpu"
     assert counts.by_range == {RangeKey("h2d", "attn_proj", 3, 7): Counts(1, 6 * 8)}
+
+
+# ------------------------------------------------------- in-memory reader vs the chrome trace
+def _both_ways(
+    prof: Any, tmp_path: Path, modes: tuple[str, ...] = ("auto",), python_writer: bool = True
+) -> TransferCounts:
+    """Counts read in memory; asserts they equal the counts of the exported chrome trace, as
+    Kineto's writer makes it (``export_chrome_trace``; once per profiler) and as torch's Python
+    writer makes it. Returns the counts of the first mode."""
+    paths = [tmp_path / "kineto_trace.json"]
+    prof.export_chrome_trace(str(paths[0]))
+    if python_writer:
+        paths.append(tmp_path / "python_trace.json")
+        prof.profiler.export_chrome_trace(str(paths[1]), use_python_export=True)
+    out = []
+    for mode in modes:
+        memory = count_transfers(prof, mode=mode, source="memory")  # type: ignore[arg-type]
+        for path in paths:
+            from_file = count_transfers(path, mode=mode)  # type: ignore[arg-type]
+            assert memory.by_range == from_file.by_range, path.name
+            assert memory.unattributed == from_file.unattributed, path.name
+            assert memory.pageable == from_file.pageable, path.name
+            assert memory == from_file, path.name  # mode too
+        assert count_transfers(prof, mode=mode) == memory  # type: ignore[arg-type]
+        out.append(memory)
+    return out[0]
+
+
+def test_memory_reader_matches_chrome_trace_on_copies_in_ranges(tmp_path: Path) -> None:
+    src, dst = torch.ones(6, 5), torch.empty(6, 5)
+    half, wide = torch.empty(5, 6, dtype=torch.bfloat16), torch.ones(6, 5, dtype=torch.float64)
+
+    def work() -> None:
+        dst.copy_(src)  # outside our ranges
+        with record_function(range_name("d2h", "core_attn", 0, 1)):
+            dst.copy_(src)
+            dst[:2].copy_(src[:2])
+            half.copy_(wide.t())  # conversion: a copy_ nested in a copy_ counts once
+            with record_function("foreign"):
+                dst[:3].copy_(src[:3])  # innermost *parsing* range: the d2h one
+            with record_function(range_name("h2d", "attn_proj", 1, 0)):
+                dst[:1].copy_(src[:1])
+                src.to(torch.float16)
+        with record_function("offload_harness.d2h|core_attn|mb=x|layer=1"):  # does not parse
+            dst.copy_(src)
+
+    with transfer_profiler("cpu") as prof:
+        work()
+    counts = count_transfers(prof)
+    assert counts.mode == "cpu"
+    assert counts.by_range == {
+        RangeKey("d2h", "core_attn", 0, 1): Counts(4, (30 + 10 + 15) * 4 + 30 * 2),
+        RangeKey("h2d", "attn_proj", 1, 0): Counts(2, 5 * 4 + 30 * 2),
+    }
+    assert _both_ways(prof, tmp_path, ("auto", "device")) == counts  # device mode: nothing
+
+
+def test_memory_reader_matches_chrome_trace_on_other_threads(tmp_path: Path) -> None:
+    """Profiling all threads: both readers tell the threads apart the same way (a copy on
+    another thread during our range is not in it; that thread's own range is)."""
+    src, dst = torch.ones(4, 4), torch.empty(4, 4)
+    try:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        pytest.skip("this torch cannot profile all threads")
+    started, release = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        started.set()
+        release.wait(10)
+        dst[:1].copy_(src[:1])  # during the main thread's range, but not inside it
+        with record_function(range_name("h2d", "attn_proj", 0, 3)):
+            dst[:2].copy_(src[:2])
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    started.wait(10)
+    with profile(
+        activities=[ProfilerActivity.CPU], record_shapes=True, experimental_config=config
+    ) as prof:
+        with record_function(range_name("d2h", "core_attn", 0, 3)):
+            release.set()
+            thread.join(10)
+            dst.copy_(src)
+    assert _both_ways(prof, tmp_path).by_range == {
+        RangeKey("d2h", "core_attn", 0, 3): Counts(1, 64),
+        RangeKey("h2d", "attn_proj", 0, 3): Counts(1, 32),
+    }
+
+
+def test_memory_reader_matches_chrome_trace_on_a_training_run(tmp_path: Path) -> None:
+    spec = preset("hybrid-tiny")
+    run = RunSpec(steps=2, microbatches=2, schedule="1f1b", precision="bf16")
+    config = OffloadConfig(offload_modules=("core_attn", "attn_proj"), min_offloaded_tensor_size=0)
+    off = OffloadContext(config, "cpu")
+    with transfer_profiler("cpu") as prof:
+        train(spec, run, off, "cpu")
+    off.close()
+    counts = _both_ways(prof, tmp_path)
+    assert counts.mode == "cpu"
+    moved = {(key.direction, key.name) for key, c in counts.by_range.items() if c.bytes}
+    assert moved == {(d, n) for d in ("d2h", "h2d") for n in ("core_attn", "attn_proj")}
+
+
+def test_source_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    with transfer_profiler("cpu") as prof:
+        with record_function(range_name("d2h", "core_attn", 0, 0)):
+            torch.empty(3).copy_(torch.ones(3))
+    expected = {RangeKey("d2h", "core_attn", 0, 0): Counts(1, 12)}
+    trace = {"traceEvents": [_x(range_name("d2h", "core_attn", 0, 0), "user_annotation", 1, 9)]}
+    trace["traceEvents"].append(_copy(2, 1, "float", [3]))
+    loaded: list[Any] = []
+
+    def fake_load(source: Any) -> dict[str, Any]:  # a profiler exports its trace only once
+        loaded.append(source)
+        return trace
+
+    monkeypatch.setattr(harness.transfers, "load_trace", fake_load)
+    assert count_transfers(prof).by_range == expected
+    assert count_transfers(prof, source="memory").by_range == expected
+    assert loaded == []  # read in memory (repeatably)
+    assert count_transfers(prof, source="trace").by_range == expected
+    assert loaded == [prof]
+    monkeypatch.setenv(SOURCE_ENV, "trace")
+    assert count_transfers(prof).by_range == expected
+    assert loaded == [prof, prof]
+    assert count_transfers(prof, source="memory").by_range == expected  # explicit wins
+    assert loaded == [prof, prof]
+    monkeypatch.delenv(SOURCE_ENV)
+    with pytest.raises(TypeError, match="source='memory' needs a finished profiler"):
+        count_transfers(trace, source="memory")
+    with pytest.raises(ValueError, match="source must be"):
+        count_transfers(prof, source="json")  # type: ignore[arg-type]
+    # a profiler object without in-memory activities (older torch): its chrome trace is read
+    old = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace()))
+    assert count_transfers(old).by_range == expected  # type: ignore[arg-type]
+    assert loaded[-1] is old
+    with pytest.raises(TypeError, match="does not expose its Kineto activities"):
+        count_transfers(old, source="memory")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------- synthetic traces
@@ -320,9 +470,129 @@ def test_device_memcpy_without_bytes_raises() -> None:
     del trace["traceEvents"][-1]["args"]["bytes"]
     with pytest.raises(TraceFormatError, match="no 'bytes'"):
         count_transfers(trace)
+    with pytest.raises(TraceFormatError, match="no 'bytes'"):
+        count_transfers(_fake_profiler(_activities_of(trace)))
+
+
+class _FakeActivity:
+    """What ``kineto_results.trace_activities()`` yields (``torch._C._autograd._ITraceActivity``),
+    for a synthetic device trace."""
+
+    def __init__(self, event: dict, base_ns: int, tids: dict[Any, int]) -> None:
+        self.event, self.base_ns, self.tids = event, base_ns, tids
+
+    def name(self) -> str:
+        return self.event["name"]
+
+    def type(self) -> str:
+        return self.event["cat"]
+
+    def device_id(self) -> int:
+        return self.event["pid"]
+
+    def resource_id(self) -> int:
+        return self.tids.setdefault(self.event["tid"], len(self.tids) + 1)
+
+    def timestamp(self) -> int:
+        return self.base_ns + int(Decimal(str(self.event["ts"])) * 1000)
+
+    def duration(self) -> int:
+        return int(Decimal(str(self.event["dur"])) * 1000)
+
+    def metadata_json(self) -> str:
+        return json.dumps(self.event["args"])[1:-1]
+
+    def correlation_id(self) -> int:
+        return self.event["args"].get("correlation", 0)
+
+    def linked_correlation_id(self) -> int:
+        return 0
+
+    def linked_activity(self) -> None:
+        return None
+
+    def flow_id(self) -> int:
+        return 0
+
+    def flow_type(self) -> int:
+        return 0
+
+    def flow_start(self) -> bool:
+        return False
+
+
+def _activities_of(trace: dict) -> list[_FakeActivity]:
+    base_ns, tids = time.time_ns(), {}  # (real timestamps: ns since the epoch)
+    return [_FakeActivity(event, base_ns, tids) for event in trace["traceEvents"]]
+
+
+def _fake_profiler(activities: list[_FakeActivity]) -> Any:
+    result = SimpleNamespace(trace_activities=lambda: activities, trace_start_ns=lambda: 0)
+    return SimpleNamespace(profiler=SimpleNamespace(kineto_results=result))
+
+
+def test_device_mode_in_memory_on_synthetic_activities(tmp_path: Path) -> None:
+    """Device mode read in memory equals the counts of the chrome trace torch's own (Python)
+    chrome writer makes of the same activities, and of the synthetic trace itself."""
+    activities = _activities_of(_device_trace())
+    memory = count_transfers(_fake_profiler(activities), source="memory")
+    assert memory == count_transfers(_device_trace())
+    exporter = pytest.importorskip("torch.profiler._chrome_trace_export")
+    path = tmp_path / "trace.json"
+    exporter.export_chrome_trace(_fake_profiler(activities).profiler.kineto_results, str(path))
+    assert count_transfers(path) == memory
+    assert memory.mode == "device" and memory.pageable == 1
 
 
 # -------------------------------------------------------------------------------------- CUDA
+def _cuda_check_memory_matches_trace(work: Callable[[], object], tmp_path: Path) -> TransferCounts:
+    with transfer_profiler("cuda") as prof:
+        work()
+    # Kineto's writer only: it is the reference, and the Python writer's device properties
+    # block is beside the point here
+    counts = _both_ways(prof, tmp_path, ("auto", "device"), python_writer=False)
+    assert counts.mode == "device"
+    return counts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_memory_counts_match_chrome_trace(tmp_path: Path) -> None:
+    """Proof on the GPU box that device mode read in memory equals the chrome trace's counts:
+    attributed pinned copies (forward thread and autograd's device thread), an attributed
+    pageable copy, and unattributed copies both ways."""
+    scenario = Scenario("cuda", torch.float32)
+    host = torch.ones(1 << 12)
+
+    def work() -> None:
+        scenario.iteration()
+        with record_function(range_name("h2d", "core_attn", 9, 9)):
+            host.to("cuda")  # pageable HtoD inside our range
+        host.to("cuda").cpu()  # outside our ranges: unattributed HtoD and DtoH
+
+    counts = _cuda_check_memory_matches_trace(work, tmp_path)
+    scenario.off.close()
+    assert counts.by_range[RangeKey("h2d", "core_attn", 9, 9)] == Counts(1, 4 << 12)
+    assert counts.pageable == 1
+    assert counts.unattributed["h2d"].copies >= 1 and counts.unattributed["d2h"].copies >= 1
+    expected = expected_from_shapes(4)
+    assert {k: v for k, v in counts.by_group().items() if k != (9, 9, "core_attn")} == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_training_memory_counts_match_chrome_trace(tmp_path: Path) -> None:
+    spec = preset("hybrid-tiny")
+    run = RunSpec(steps=2, microbatches=2, schedule="1f1b", precision="bf16")
+    config = OffloadConfig(
+        offload_modules=("core_attn", "attn_proj"), min_offloaded_tensor_size=1024
+    )
+    off = OffloadContext(config, "cuda")
+    counts = _cuda_check_memory_matches_trace(lambda: train(spec, run, off, "cuda"), tmp_path)
+    off.close()
+    assert counts.totals()["d2h"].bytes > 0 and counts.totals()["h2d"].bytes > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
