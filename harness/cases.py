@@ -88,6 +88,11 @@ class Case:
     """Allowed absolute loss difference; 0 means bitwise equality."""
     tolerance_reason: str = ""
     """Why a non-zero tolerance is needed, with its measured noise floor."""
+    memory_slack: int = 0
+    """Largest block (bytes) the memory case lets differ between the runs beyond the predicted
+    storages; 0: the drop must equal the prediction exactly."""
+    memory_slack_reason: str = ""
+    """Why a non-zero memory slack is needed, with what was measured."""
     sharding: str = "none"
     """``none`` (every rank trains the whole model on the same data) or ``zero3`` (flat ZeRO-3
     through FSDP2, each rank its own data shard; also runs at world size 1)."""
@@ -124,6 +129,8 @@ class Case:
                 "impl 'mcore' rows run megatron-core's one-stage schedule (sequential), "
                 "unsharded, without an evaluation pass first"
             )
+        if self.memory_slack and not self.memory_slack_reason:
+            raise ValueError(f"case {self.name}: a memory slack needs a memory_slack_reason")
         if self.tolerance and not self.tolerance_reason:
             raise ValueError(f"case {self.name}: a non-zero tolerance needs a tolerance_reason")
         self.offload_config()  # validates names and rules
@@ -280,9 +287,20 @@ DETECTION_ROWS: tuple[Case, ...] = (
 buffer reused while its reload is pending; a no-grad pass taken as the warmup)."""
 
 
+_MCORE_SLACK = dict(
+    memory_slack=64,
+    memory_slack_reason=(
+        "megatron-core's layers built with offloading on and off keep a few different scalar "
+        "tensors (H200: a 1-byte block only in the seed's offload run, a 64-byte one only in "
+        "the hybrid-moe baseline); every predicted storage must still be freed"
+    ),
+)
 MCORE_ROWS: tuple[Case, ...] = (
-    SEED_CASE.replace(impl="mcore", description="the seed on megatron-core's own HybridModel"),
+    SEED_CASE.replace(
+        impl="mcore", description="the seed on megatron-core's own HybridModel", **_MCORE_SLACK
+    ),
     Case(
+        **_MCORE_SLACK,
         impl="mcore",
         family="hybrid",
         offload=ATTENTION_NAMES,
@@ -291,6 +309,7 @@ MCORE_ROWS: tuple[Case, ...] = (
         description="every attention group of the MLA layers",
     ),
     Case(
+        **_MCORE_SLACK,
         impl="mcore",
         family="moe",
         offload=("expert_fc1", "moe_act"),
@@ -298,6 +317,7 @@ MCORE_ROWS: tuple[Case, ...] = (
         description="TransformerEngine's grouped MLP, selective expert names",
     ),
     Case(
+        **_MCORE_SLACK,
         impl="mcore",
         family="moe-fused",
         offload=("fused_group_mlp",),
@@ -306,6 +326,7 @@ MCORE_ROWS: tuple[Case, ...] = (
         description="TransformerEngine's op-fuser grouped MLP as one group",
     ),
     Case(
+        **_MCORE_SLACK,
         impl="mcore",
         family="hybrid-moe",
         offload=(*ATTENTION_NAMES, "mlp_norm", "expert_fc1", "moe_act"),

@@ -510,7 +510,32 @@ def train(
     result = TrainResult(
         losses=losses.cpu(), logs=offloader.iteration_logs(), grads=grads, final_state=state
     )
+    _release(named, optimizer)
     return result
+
+
+def _release(named: list[tuple[str, torch.nn.Parameter]], optimizer: Any) -> None:
+    """Free the run's device memory before returning.
+
+    On the H200 a finished run's parameter and gradient buffers, fp32 main weights and Adam
+    states were still reachable after ``gc.collect()`` (through megatron-core's DDP: its
+    bucket groups, hook closures and the config's ``no_sync_func``) and went away only during
+    a later run, so the next run's memory case counted a whole model it did not hold. Emptying
+    the storages makes every run start from the same allocator state."""
+    tensors: list[torch.Tensor] = []
+    for _, param in named:
+        tensors += [param, getattr(param, "main_grad", None)]
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if torch_optimizer is None:
+            continue
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                tensors.append(param)
+                tensors += list(torch_optimizer.state.get(param, {}).values())
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            tensor.untyped_storage().resize_(0)
 
 
 _WARMED: set[tuple[ModelSpec, str]] = set()
