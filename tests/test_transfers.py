@@ -555,8 +555,16 @@ def _cuda_check_memory_matches_trace(work: Callable[[], object], tmp_path: Path)
     return counts
 
 
+NEEDS_IN_MEMORY_ACTIVITIES = pytest.mark.skipif(
+    not hasattr(torch._C._autograd._ProfilerResult, "trace_activities"),
+    reason=f"torch {torch.__version__} keeps no Kineto activities in memory (no "
+    "trace_activities; on the H200 box's torch 2.11): counting reads the chrome trace there",
+)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@NEEDS_IN_MEMORY_ACTIVITIES
 def test_cuda_memory_counts_match_chrome_trace(tmp_path: Path) -> None:
     """Proof on the GPU box that device mode read in memory equals the chrome trace's counts:
     attributed pinned copies (forward thread and autograd's device thread), an attributed
@@ -581,6 +589,7 @@ def test_cuda_memory_counts_match_chrome_trace(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@NEEDS_IN_MEMORY_ACTIVITIES
 def test_cuda_training_memory_counts_match_chrome_trace(tmp_path: Path) -> None:
     spec = preset("hybrid-tiny")
     run = RunSpec(steps=2, microbatches=2, schedule="1f1b", precision="bf16")
