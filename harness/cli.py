@@ -392,6 +392,9 @@ def _repro_spec(args: argparse.Namespace) -> ReproSpec:
         run = case.run_spec() if args.seed is None else case.run_spec(seed=args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    reason = _unavailable([case], env)
+    if reason is not None:
+        raise UsageError(reason)
     return ReproSpec(
         case=case,
         model=model,

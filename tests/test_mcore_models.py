@@ -189,3 +189,31 @@ def test_memory_slack_admits_only_small_blocks_beyond_the_prediction() -> None:
 def test_memory_slack_needs_a_reason() -> None:
     with pytest.raises(ValueError, match="memory slack needs a memory_slack_reason"):
         SEED_CASE.replace(memory_slack=8)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--family", "mcore", "--device", "cpu"],
+        ["run", "--family", "mcore", "--backend", "reference", "--device", "cpu"],
+        ["repro", "--case", MCORE_ROWS[0].name, "--device", "cpu"],
+    ],
+    ids=["run", "run-bridge", "repro"],
+)
+def test_cli_refuses_mcore_rows_without_cuda_in_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal")
+    from harness.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs a CUDA device" in err[0]
+
+
+def test_cli_lists_the_mcore_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.cli import main
+
+    assert main(["cases", "--family", "mcore"]) == 0
+    assert capsys.readouterr().out.split() == [row.name for row in MCORE_ROWS]
