@@ -520,18 +520,22 @@ def _release(named: list[tuple[str, torch.nn.Parameter]], optimizer: Any) -> Non
     On the H200 a finished run's parameter and gradient buffers, fp32 main weights and Adam
     states were still reachable after ``gc.collect()`` (through megatron-core's DDP: its
     bucket groups, hook closures and the config's ``no_sync_func``) and went away only during
-    a later run, so the next run's memory case counted a whole model it did not hold. Emptying
-    the storages makes every run start from the same allocator state."""
-    tensors: list[torch.Tensor] = []
+    a later run, so the next run's memory case counted a whole model it did not hold (937 MB).
+    Emptying the storages makes every run start from the same allocator state. The first
+    version of this left the fp32 gradients of the main weights (one fp32 block per weight,
+    46 MB, seen on the H200); they are emptied too now, not yet checked on a GPU."""
+    tensors: list[torch.Tensor | None] = []
     for _, param in named:
-        tensors += [param, getattr(param, "main_grad", None)]
+        tensors += [param, param.grad, getattr(param, "main_grad", None)]
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_optimizer = getattr(inner, "optimizer", None)
         if torch_optimizer is None:
             continue
         for group in torch_optimizer.param_groups:
             for param in group["params"]:
-                tensors.append(param)
+                # the fp32 main weight, its fp32 gradient (kept after the last step) and the
+                # Adam moments
+                tensors += [param, param.grad]
                 tensors += list(torch_optimizer.state.get(param, {}).values())
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
