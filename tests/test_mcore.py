@@ -3,6 +3,8 @@ training run through megatron-core's real offloader."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -65,3 +67,60 @@ def test_seed_model_moves_bytes_and_logs_every_iteration() -> None:
     assert all(log.d2h_bytes > 0 and log.d2h_bytes == log.h2d_bytes for log in logs)
     assert all(log.leaked_tensors == 0 and log.pool_in_use == 0 for log in logs)
     assert torch.isfinite(result.losses).all()
+
+
+def test_native_watch_patches_megatron_and_restores_it() -> None:
+    """Inside ``native`` the adapter sees each group start with its layer, logs before
+    megatron-core's own reset and leaves chunk starts and resets to megatron-core; afterwards
+    megatron-core's functions are its own again (checked on stand-ins: no megatron-core here)."""
+    from harness.offload.reference import RaceDelays
+
+    seen: list[object] = []
+
+    def group_start(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        seen.append(("start", name))
+        return tensor
+
+    def group_offload(tensor: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append(("commit",))
+        return tensor
+
+    class Interface:
+        @staticmethod
+        def reset() -> None:
+            seen.append(("reset",))
+
+        @staticmethod
+        def init_chunk_handler(*args: object, **kwargs: object) -> None:
+            seen.append(("init",))
+
+    mcore = types.SimpleNamespace(
+        fine_grained_offloading_group_start=group_start,
+        fine_grained_offloading_group_offload=group_offload,
+    )
+    off = object.__new__(McoreOffloader)
+    off.__dict__.update(
+        _mcore=mcore, _interface=Interface, delays=RaceDelays(), _native=False, _enabled=True
+    )
+    off._started = lambda name, layer: seen.append(("keyed", name, layer))  # type: ignore[method-assign]
+    off._log_iteration = lambda: seen.append(("log",))  # type: ignore[method-assign]
+    x = torch.ones(2)
+    with off.native(lambda: 4):
+        off.begin_microbatch(1)
+        assert mcore.fine_grained_offloading_group_start(x, "core_attn") is x
+        mcore.fine_grained_offloading_group_offload(x, "core_attn", [], False)
+        Interface.reset()
+        off.end_iteration()
+    assert off._microbatch == 1
+    assert seen == [
+        ("start", "core_attn"),
+        ("keyed", "core_attn", 4),
+        ("commit",),
+        ("log",),
+        ("reset",),
+    ]
+    assert mcore.fine_grained_offloading_group_start is group_start
+    assert mcore.fine_grained_offloading_group_offload is group_offload
+    seen.clear()
+    Interface.reset()
+    assert seen == [("reset",)]
