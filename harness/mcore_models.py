@@ -316,7 +316,8 @@ class Bridge:
     """Stands in for megatron-core's ``FineGrainedActivationOffloadingInterface`` and routes
     megatron-core's calls to a harness offloader. Chunk starts and resets are the runner's
     (``begin_microbatch`` before each forward, ``end_iteration`` after each step), so megatron-
-    core's own ``init_chunk_handler`` and ``reset`` calls only mark parameters / do nothing."""
+    core's own ``init_chunk_handler`` and ``reset`` calls do nothing here; its parameter marks
+    (``mark_not_offload``) reach the offloader."""
 
     def __init__(self, offloader: Offloader, layer: Callable[[], int], te_flag: Any) -> None:
         self.offloader = offloader
