@@ -341,6 +341,12 @@ FAMILY_CHOICES = ("harness", "mcore", "all")
 """``--family``: whose models the session's rows build (``Case.impl``), or both."""
 
 
+def default_backend(family: str) -> str:
+    """The backend when none is named: megatron-core's own offloader for its own models
+    (``mcore``), else the reference."""
+    return "mcore" if family == "mcore" else "reference"
+
+
 def full_matrix() -> list[Case]:
     """Every family x applicable set x schedule x max-inflight x precision, then the ZeRO-3
     rows."""

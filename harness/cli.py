@@ -35,6 +35,7 @@ from harness.cases import (
     MATRICES,
     MODEL_SIZES,
     Case,
+    default_backend,
     find_case,
     matrix,
     model_spec,
@@ -300,8 +301,8 @@ def _timed_case(case: Case, env: Environment, update_golden: bool) -> tuple[dict
 
 def _environment(args: argparse.Namespace) -> Environment:
     if args.backend is None:  # megatron-core's models run megatron-core's offloader by default
-        mcore = getattr(args, "family", "harness") == "mcore" or str(args.case).startswith("mcore-")
-        args.backend = "mcore" if mcore else "reference"
+        family = getattr(args, "family", "harness")
+        args.backend = default_backend("mcore" if str(args.case).startswith("mcore-") else family)
     try:
         resolve_backend(args.backend)
     except ValueError as exc:
