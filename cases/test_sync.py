@@ -21,6 +21,7 @@ import pytest
 
 from harness.cases import Case
 from harness.execute import Environment
+from harness.spec import MCORE_IMPLS
 from harness.syncguard import GuardedRun, HostSyncError, run_guarded
 
 GUARDED_STEP = 2
@@ -40,7 +41,7 @@ def guarded_run(case: Case, env: Environment) -> GuardedRun:
 def test_no_host_sync(
     case: Case, run_training: Callable[..., object], record_result: Callable[..., None]
 ) -> None:
-    if case.impl == "mcore":
+    if case.impl in MCORE_IMPLS:
         pytest.skip(
             "not guarded on megatron-core's models: their own modules drive megatron-core's "
             "offloader, not the harness protocol the guard wraps (it is guarded on ours)"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.offload.config import OffloadConfig
-from harness.spec import IMPLS, ModelSpec, RunSpec, preset
+from harness.spec import IMPLS, MCORE_IMPLS, ModelSpec, RunSpec, preset
 from harness.train import SHARDINGS
 
 _PRESETS = {  # (family, size) -> preset name
@@ -103,10 +103,11 @@ class Case:
     eval_first: bool = False
     """A no-grad forward pass of every microbatch before the first step (``RunSpec``)."""
     impl: str = "harness"
-    """Who builds the model: ``harness`` (ours) or ``mcore`` (megatron-core's ``HybridModel``
+    """Who builds the model: ``harness`` (ours), ``mcore`` (megatron-core's ``HybridModel``
     with TransformerEngine layers, trained through its own schedule, DDP and distributed
-    optimizer; ``harness.mcore_models``). ``mcore`` rows run the sequential schedule only
-    (one pipeline stage), unsharded, with no evaluation pass first."""
+    optimizer; ``harness.mcore_models``) or ``mcore-gpt`` (megatron-core's ``GPTModel``, the
+    same way). megatron-core's rows run the sequential schedule only (one pipeline stage),
+    unsharded, with no evaluation pass first."""
     description: str = ""
     marks: tuple[Any, ...] = ()
     """pytest marks for this row."""
@@ -122,11 +123,11 @@ class Case:
             raise ValueError(f"min_ranks must be an int >= 1, got {self.min_ranks!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"unknown impl {self.impl!r}; known: {', '.join(IMPLS)}")
-        if self.impl == "mcore" and (
+        if self.impl in MCORE_IMPLS and (
             self.schedule != "sequential" or self.sharding != "none" or self.eval_first
         ):
             raise ValueError(
-                "impl 'mcore' rows run megatron-core's one-stage schedule (sequential), "
+                f"impl {self.impl!r} rows run megatron-core's one-stage schedule (sequential), "
                 "unsharded, without an evaluation pass first"
             )
         if self.memory_slack and not self.memory_slack_reason:
@@ -142,7 +143,7 @@ class Case:
 
     @property
     def name(self) -> str:
-        prefix = "mcore-" if self.impl == "mcore" else ""
+        prefix = "" if self.impl == "harness" else f"{self.impl}-"
         parts = [f"{prefix}{self.family}-{self.pattern}", "+".join(self.offload), self.schedule]
         parts.append(self.precision)
         if self.max_inflight != 1:
@@ -333,9 +334,26 @@ MCORE_ROWS: tuple[Case, ...] = (
         precision="bf16",
         description="every name of MLA and MoE layers",
     ),
+    Case(
+        **_MCORE_SLACK,
+        impl="mcore-gpt",
+        family="moe",
+        offload=("core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"),
+        precision="bf16",
+        description="megatron-core's GPTModel with MoE layers, TransformerEngine's grouped MLP",
+    ),
+    Case(
+        **_MCORE_SLACK,
+        impl="mcore-gpt",
+        family="moe-fused",
+        offload=("core_attn", "fused_group_mlp"),
+        precision="bf16",
+        description="megatron-core's GPTModel with MoE layers, the op-fuser grouped MLP",
+    ),
 )
-"""Rows on megatron-core's own models (``impl="mcore"``): the seed, then one per model family;
-bf16 as the seed runs it. Selected by ``--family mcore`` (or ``all``)."""
+"""Rows on megatron-core's own models (``Case.impl`` ``mcore``: ``HybridModel``, ``mcore-gpt``:
+``GPTModel``): the seed, then one per model family, then the GPT-style MoE model on both expert
+paths; bf16 as the seed runs it. Selected by ``--family mcore`` (or ``all``)."""
 
 FAMILY_CHOICES = ("harness", "mcore", "all")
 """``--family``: whose models the session's rows build (``Case.impl``), or both."""

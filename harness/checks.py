@@ -245,6 +245,12 @@ def memory_problems(res: MemoryResult) -> list[str]:
     if res.predicted_drop <= 0:
         return ["nothing predicted in flight after the last forward: the check proves nothing"]
     problems = []
+    count, freed = res.floor_freed
+    if count:
+        problems.append(
+            f"the runs freed {count} blocks ({freed} B) that were allocated before they started "
+            "(an earlier run's memory released meanwhile): the readings are not comparable"
+        )
     small = _small_remainder(res)
     if res.requested_drop != res.predicted_drop and (
         small is None or abs(res.requested_drop - res.predicted_drop) > small

@@ -58,7 +58,7 @@ from harness.report import (
     write_summary,
 )
 from harness.repro import ReproSpec, reproduce
-from harness.spec import PRECISIONS, PRESETS, SCHEDULES, parse_pattern, preset
+from harness.spec import MCORE_IMPLS, PRECISIONS, PRESETS, SCHEDULES, parse_pattern, preset
 
 
 class UsageError(Exception):
@@ -319,7 +319,7 @@ def _environment(args: argparse.Namespace) -> Environment:
 def _unavailable(cases: list[Case], env: Environment) -> str | None:
     """Why the backend or megatron-core's models cannot run the cases here (None if they can)."""
     reason = backend_unavailable(env.backend, env.device)
-    if reason is None and any(case.impl == "mcore" for case in cases):
+    if reason is None and any(case.impl in MCORE_IMPLS for case in cases):
         from harness.mcore_models import unavailable_reason
 
         reason = unavailable_reason(env.device)

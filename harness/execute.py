@@ -313,6 +313,9 @@ class MemoryResult:
     """Requested bytes of live blocks the baseline holds and the offload run does not."""
     extra_sizes: Counter[int]
     """Requested bytes of live blocks only the offload run holds."""
+    floor_freed: tuple[int, int] = (0, 0)
+    """Blocks (count, bytes) live before a run started that it freed before its reading (both
+    runs): memory of an earlier run released meanwhile, which makes the readings unreliable."""
 
     @property
     def requested_drop(self) -> int:
@@ -378,6 +381,10 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
         predicted_sizes=Counter(freed.values()),
         freed_sizes=base.blocks - off.blocks,
         extra_sizes=off.blocks - base.blocks,
+        floor_freed=(
+            base.floor_freed[0] + off.floor_freed[0],
+            base.floor_freed[1] + off.floor_freed[1],
+        ),
     )
 
 
@@ -388,32 +395,53 @@ class _MemoryReading:
     rounding: int
     peak: int
     blocks: Counter[int]
+    floor_freed: tuple[int, int]
 
 
-def _live_blocks(device: torch.device) -> tuple[Counter[int], int]:
-    """Requested sizes of the allocator's live blocks on ``device``, and their total rounding
-    (block size minus requested size)."""
-    sizes: Counter[int] = Counter()
-    rounding = 0
+Block = tuple[int, int]
+"""A live allocator block: (size, requested size) in bytes."""
+
+
+def _live_blocks(device: torch.device) -> dict[int, Block]:
+    """The allocator's live blocks on ``device`` by address: (block size, requested size)."""
+    live: dict[int, Block] = {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     for segment in torch.cuda.memory_snapshot():
         if segment.get("device", index) != index:
             continue
+        address = int(segment["address"])  # blocks tile their segment in address order
         for block in segment.get("blocks", []):
+            size = int(block["size"])
+            address = int(block.get("address", address))
             if block.get("state") == "active_allocated":
-                requested = int(block.get("requested_size", block["size"]))
-                sizes[requested] += 1
-                rounding += int(block["size"]) - requested
-    return sizes, rounding
+                live[address] = (size, int(block.get("requested_size", size)))
+            address += size
+    return live
 
 
-def _settled(device: torch.device) -> int:
-    """Allocated bytes once everything pending is freed (collect cycles, finish the streams,
-    free blocks whose record_stream events completed)."""
+def _new_blocks(now: dict[int, Block], before: dict[int, Block]) -> list[Block]:
+    """Blocks live ``now`` that were not live ``before`` (same address and sizes): what the run
+    allocated, whatever else was freed meanwhile."""
+    return [block for address, block in now.items() if before.get(address) != block]
+
+
+def _gone(now: dict[int, Block], before: dict[int, Block]) -> tuple[int, int]:
+    """Blocks (count, bytes) live ``before`` and not ``now``.
+
+    A run must not free memory it did not allocate: when it does, that was an earlier run's
+    (megatron-core kept a finished run reachable until the next one replaced its globals, 937 MB
+    on the H200), a new block may sit at its address and be taken for the old one, and the
+    peak counted above it is off by up to its size."""
+    gone = [block for address, block in before.items() if now.get(address) != block]
+    return len(gone), sum(size for size, _ in gone)
+
+
+def _settled(device: torch.device) -> None:
+    """Let everything pending be freed (collect cycles, finish the streams, free blocks whose
+    record_stream events completed)."""
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated(device)
 
 
 def _memory_run(
@@ -426,28 +454,32 @@ def _memory_run(
 ) -> _MemoryReading:
     seen: dict[str, Any] = {}
     last = run.steps - 1
-    floor = _settled(device)
-    floor_blocks, floor_rounding = _live_blocks(device)
+    _settled(device)
+    floor = _live_blocks(device)
 
     def after_forward(step: int, mb: int) -> None:
         if step == last and mb == last_mb:
-            seen["allocated"] = _settled(device) - floor
-            blocks, rounding = _live_blocks(device)
-            seen["blocks"] = blocks - floor_blocks
-            seen["rounding"] = rounding - floor_rounding
-            seen["requested"] = sum(size * n for size, n in blocks.items()) - sum(
-                size * n for size, n in floor_blocks.items()
-            )
+            _settled(device)
+            now = _live_blocks(device)
+            new = _new_blocks(now, floor)
+            seen["floor_freed"] = _gone(now, floor)
+            seen["allocated"] = sum(size for size, _ in new)
+            seen["requested"] = sum(requested for _, requested in new)
+            seen["rounding"] = seen["allocated"] - seen["requested"]
+            seen["blocks"] = Counter(requested for _, requested in new)
 
     @contextlib.contextmanager
     def step_context(step: int) -> Iterator[None]:
         if step == last:
-            torch.cuda.synchronize(device)
+            _settled(device)
+            # the floor's blocks that are still live: the step's peak counts above them
+            live = _live_blocks(device)
+            kept = sum(block[0] for address, block in floor.items() if live.get(address) == block)
             torch.cuda.reset_peak_memory_stats(device)
         yield
         if step == last:
             torch.cuda.synchronize(device)
-            seen["peak"] = torch.cuda.max_memory_allocated(device) - floor
+            seen["peak"] = torch.cuda.max_memory_allocated(device) - kept
 
     hooks = RunHooks(step_context=step_context, after_forward=after_forward)
     train(spec, run, offloader, device, hooks=hooks, sharding=sharding)

@@ -1,13 +1,17 @@
-"""Models of ``impl="mcore"``: megatron-core's own ``HybridModel`` with TransformerEngine layers,
-trained the way megatron-core's users train it, with any harness offloader.
+"""Models of ``impl="mcore"`` and ``impl="mcore-gpt"``: megatron-core's own ``HybridModel`` and
+``GPTModel`` with TransformerEngine layers, trained the way megatron-core's users train them,
+with any harness offloader.
 
 What is megatron-core's here and what is ours
-    The model is megatron-core's ``HybridModel`` built from the case's pattern with its
+    ``mcore``: megatron-core's ``HybridModel`` built from the case's pattern with its
     TransformerEngine layer spec ``hybrid_stack_spec`` (``+`` MLA, ``*`` attention, ``-`` MLP,
     ``E`` MoE on TransformerEngine's grouped MLP; ``moe_path="fused"`` selects the op-fuser path,
-    ``use_transformer_engine_op_fuser``). ``*E*E`` is the GPT-style MoE stack: an attention
-    layer then an MoE layer, as in a GPT block, so layer indices and group templates are those of
-    the harness's own ``moe`` family. Sizes come from the ``ModelSpec``; the offload knobs from
+    ``use_transformer_engine_op_fuser``); layer indices and group templates are those of the
+    harness's own models. ``mcore-gpt``: megatron-core's ``GPTModel`` with the TransformerEngine
+    decoder block spec (``get_gpt_decoder_block_spec``); each GPT layer is one attention and one
+    MLP/MoE symbol of the pattern (``*E*E`` is two layers, each attention then MoE; ``+`` is MLA,
+    ``moe_layer_freq`` says which layers are MoE), so its group occurrences are keyed by GPT
+    layer index. Sizes come from the ``ModelSpec``; the offload knobs from
     the case's ``OffloadConfig`` through ``TransformerConfig`` (fine_grained_activation_offloading,
     offload_modules, min_offloaded_tensor_size, activation_offload_fraction,
     fine_grained_offloading_max_inflight_offloads, delta_offload_bytes_across_pp_ranks).
@@ -56,7 +60,7 @@ from harness.models.hybrid import INIT_STD, make_batches
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload, PassThroughGroup
 from harness.offload.protocol import Offloader
-from harness.spec import ModelSpec, RunSpec
+from harness.spec import ModelSpec, RunSpec, gpt_layers
 
 ENVIRONMENT = {
     # Unfused attention (megatron-core's offloading test pins it the same way).
@@ -81,6 +85,7 @@ model asserts and writes for the unfused backend."""
 BRIDGED_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.models.hybrid.hybrid_model",
+    "megatron.core.models.gpt.gpt_model",
     "megatron.core.transformer.attention",
     "megatron.core.transformer.multi_latent_attention",
     "megatron.core.transformer.moe.experts",
@@ -144,8 +149,9 @@ def transformer_config(
 
     bf16 = run.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
+    gpt = gpt_layers(spec.layers) if spec.impl == "mcore-gpt" else None
     fields: dict[str, Any] = dict(
-        num_layers=len(spec.layers),
+        num_layers=len(gpt) if gpt is not None else len(spec.layers),
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_heads,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -180,6 +186,8 @@ def transformer_config(
             moe_pad_expert_input_to_capacity=True,
             use_transformer_engine_op_fuser=spec.moe_path == "fused",
         )
+        if gpt is not None:  # which GPT layers are MoE (1) or dense (0)
+            fields["moe_layer_freq"] = [int(mlp == "E") for _, mlp in gpt]
     if offload is not None:
         fields.update(
             fine_grained_activation_offloading=True,
@@ -204,15 +212,29 @@ def transformer_config(
 
 
 def build_model(spec: ModelSpec, run: RunSpec, config: Any, device: torch.device) -> Any:
-    """megatron-core's ``HybridModel`` for ``spec`` on ``device``, weights drawn from the run's
-    seed (the same seed gives the same weights, with or without offloading)."""
-    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
-    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    """megatron-core's ``HybridModel`` (``GPTModel`` for ``mcore-gpt``) for ``spec`` on
+    ``device``, weights drawn from the run's seed (the same seed gives the same weights, with or
+    without offloading)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     _reset_moe_metrics()
     torch.manual_seed(run.seed)
     model_parallel_cuda_manual_seed(run.seed)  # seeds CUDA and megatron-core's RNG tracker
+    if spec.impl == "mcore-gpt":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=True),
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.seq_length,
+            position_embedding_type="rope",  # MLA layers rotate inside their attention
+        )
+        return model.to(device)
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
     model = HybridModel(
         config=config,
         hybrid_stack_spec=hybrid_stack_spec,

@@ -214,5 +214,7 @@ def memory_record(res: Any) -> dict[str, Any]:
             "baseline_peak": res.baseline_peak,
             "offload_peak": res.offload_peak,
             "peak_allowance": res.peak_allowance,
+            "floor_freed_blocks": res.floor_freed[0],
+            "floor_freed_bytes": res.floor_freed[1],
         }
     }

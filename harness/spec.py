@@ -41,10 +41,28 @@ ALL_GROUP_NAMES: tuple[str, ...] = (
 
 MoEPath = Literal["unfused", "fused"]
 
-IMPLS: tuple[str, ...] = ("harness", "mcore")
-"""Who implements a model: ``harness`` (ours, ``harness.models``) or ``mcore`` (megatron-core's
-``HybridModel`` with TransformerEngine layers, ``harness.mcore_models``). Both read the same
-pattern and sizes and open the same groups in the same order."""
+IMPLS: tuple[str, ...] = ("harness", "mcore", "mcore-gpt")
+"""Who implements a model: ``harness`` (ours, ``harness.models``), ``mcore`` (megatron-core's
+``HybridModel`` with TransformerEngine layers, ``harness.mcore_models``) or ``mcore-gpt``
+(megatron-core's ``GPTModel`` with TransformerEngine layers: each of its layers is one attention
+and one MLP/MoE symbol of the pattern, ``*E*E`` is two layers). All read the same pattern and
+sizes and open the same groups in the same order."""
+
+MCORE_IMPLS: tuple[str, ...] = ("mcore", "mcore-gpt")
+"""The impls whose models are megatron-core's (``harness.mcore_models``)."""
+
+
+def gpt_layers(layers: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """A pattern's symbols as GPT layers: (attention, MLP) pairs, e.g. ``*E*-`` -> ``*E``, ``*-``.
+
+    Raises ValueError for a pattern that is not such pairs."""
+    pairs = tuple(zip(layers[::2], layers[1::2], strict=False))
+    if len(layers) % 2 or any(a not in "*+" or m not in "-E" for a, m in pairs):
+        raise ValueError(
+            f"pattern {''.join(layers)!r}: a GPT model's layer is attention ('*' or '+') then "
+            "MLP ('-') or MoE ('E'); write the pattern as such pairs, e.g. '*E*E'"
+        )
+    return pairs
 
 
 def group_template(symbol: str, moe_path: MoEPath = "unfused") -> tuple[str, ...]:
@@ -191,6 +209,8 @@ class ModelSpec:
             )
         if self.impl not in IMPLS:
             raise ValueError(f"ModelSpec.impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
+        if self.impl == "mcore-gpt":
+            gpt_layers(self.layers)
         if self.moe_path not in ("unfused", "fused"):
             raise ValueError(
                 f"ModelSpec.moe_path must be 'unfused' or 'fused', got {self.moe_path!r}"

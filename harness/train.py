@@ -33,7 +33,7 @@ import torch
 from harness import distributed
 from harness.models.hybrid import HybridModel, build_model, loss_fn, make_batches
 from harness.offload.protocol import IterationLog, Offloader
-from harness.spec import ModelSpec, RunSpec
+from harness.spec import MCORE_IMPLS, ModelSpec, RunSpec
 
 # cuBLAS reads this once, when its handle is created: set it before any CUDA matmul.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -183,12 +183,12 @@ def train(
     sharding: str = "none",
 ) -> TrainResult:
     """Train ``run.steps`` steps of ``spec`` with ``offloader``; see the module docstring
-    (``spec.impl == "mcore"``: ``harness.mcore_models.train``)."""
+    (megatron-core's models, ``spec.impl`` in ``MCORE_IMPLS``: ``harness.mcore_models.train``)."""
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}; known: {', '.join(SHARDINGS)}")
     device = torch.device(device)
     hooks = hooks or RunHooks()
-    if spec.impl == "mcore":  # megatron-core's model, schedule, DDP and optimizer
+    if spec.impl in MCORE_IMPLS:  # megatron-core's model, schedule, DDP and optimizer
         from harness import mcore_models
 
         with deterministic(device):

@@ -8,7 +8,10 @@
 #   moe-delays  the MoE rows (both expert paths) under delays
 #   bridge      the mcore rows with the harness's reference offloader inside megatron-core's
 #               modules (through the bridge)
-# Logs and reports go to $OUT (default reports/gpu-mcore); limits: T_<SECTION> seconds.
+#   repro       `offload-harness repro` of the seed under delays: the one-command reproduction
+#   golden-new  records golden traces for the rows that have none yet (tarred to $OUT)
+# SECTIONS="seed cases ..." runs a subset (default: all, in the order above). Logs and reports
+# go to $OUT (default reports/gpu-mcore); limits: T_<SECTION> seconds.
 set -uo pipefail
 OUT=${OUT:-reports/gpu-mcore}
 mkdir -p "$OUT"
@@ -22,9 +25,11 @@ te.__version__, '| megatron-core', mc.__version__)"
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
+SECTIONS=${SECTIONS:-seed seed-delays cases moe-delays bridge repro golden-new}
 section() {  # section NAME LIMIT COMMAND...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
+  [[ " $SECTIONS " == *" $name "* ]] || return 0
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? in $((SECONDS - start))s"
   tail -n "${TAIL:-12}" "$OUT/$name.log"
@@ -41,7 +46,21 @@ section moe-delays "${T_MOE_DELAYS:-90}" "${CASES[@]}" cases/test_equivalence.py
   cases/test_transfers.py -k moe --backend 'mcore+delays'
 section bridge "${T_BRIDGE:-90}" "${CASES[@]}" cases/test_equivalence.py cases/test_transfers.py \
   --backend reference
+section repro "${T_REPRO:-120}" python3 -m harness repro --case "$SEED" --backend 'mcore+delays' \
+  --device cuda --report-dir "$OUT/reports"
+# Rows without a golden file: record theirs (the others are left as committed).
+mapfile -t NEW < <(python3 - <<'PY'
+from harness.cases import MCORE_ROWS
+from harness.golden import golden_path
+for row in MCORE_ROWS:
+    if not golden_path("cuda-h200", row.name).exists():
+        print(f"cases/test_golden.py::test_golden_baseline[{row.name}]")
+PY
+)
+if ((${#NEW[@]})); then
+  section golden-new "${T_GOLDEN_NEW:-150}" "${CASES[@]}" --update-golden "${NEW[@]}"
+fi
 tar -czf "$OUT/reports.tgz" -C "$OUT" reports 2>/dev/null && rm -rf "$OUT/reports"
-if [ -n "${UPDATE_GOLDEN:-}" ]; then
+if [ -n "${UPDATE_GOLDEN:-}" ] || [[ " $SECTIONS " == *" golden-new "* ]]; then
   tar -czf "$OUT/golden.tgz" cases/golden/*/mcore-*
 fi

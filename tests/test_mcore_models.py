@@ -18,10 +18,10 @@ import torch
 from harness.cases import MCORE_ROWS, SEED_CASE, Case, matrix
 from harness.checks import memory_problems
 from harness.execute import MemoryResult
-from harness.mcore_models import Bridge, unavailable_reason
+from harness.mcore_models import Bridge, transformer_config, unavailable_reason
 from harness.offload.config import OffloadConfig
 from harness.offload.recorder import RecordingOffloader
-from harness.spec import ModelSpec
+from harness.spec import ModelSpec, gpt_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTEST = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--report-dir", "")
@@ -32,9 +32,71 @@ def test_mcore_rows_are_named_apart_and_build_megatron_specs() -> None:
     assert names[0] == "mcore-" + SEED_CASE.name
     assert all(name.startswith("mcore-") for name in names)
     assert len(set(names)) == len(names)
-    assert {row.model_spec("small").impl for row in MCORE_ROWS} == {"mcore"}
-    fused = next(row for row in MCORE_ROWS if row.family == "moe-fused")
-    assert fused.model_spec("small").moe_path == "fused"
+    assert {row.model_spec("small").impl for row in MCORE_ROWS} == {"mcore", "mcore-gpt"}
+    fused = [row for row in MCORE_ROWS if row.family == "moe-fused"]
+    assert {row.impl for row in fused} == {"mcore", "mcore-gpt"}
+    assert all(row.model_spec("small").moe_path == "fused" for row in fused)
+    gpt = [row for row in MCORE_ROWS if row.impl == "mcore-gpt"]
+    assert [row.name.split("_")[0] for row in gpt] == [
+        "mcore-gpt-moe-*E*E",
+        "mcore-gpt-moe-fused-*E*E",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "pairs"),
+    [("*E*E", (("*", "E"), ("*", "E"))), ("*-*E", (("*", "-"), ("*", "E"))), ("+E", (("+", "E"),))],
+)
+def test_gpt_layers_pair_attention_with_mlp(pattern: str, pairs: tuple) -> None:
+    assert gpt_layers(tuple(pattern)) == pairs
+    assert ModelSpec(pattern=pattern, impl="mcore-gpt").layers == tuple(pattern)
+
+
+@pytest.mark.parametrize("pattern", ["*E*", "E*E*", "**", "*E-E", "-"])
+def test_gpt_model_refuses_patterns_that_are_not_layer_pairs(pattern: str) -> None:
+    with pytest.raises(ValueError, match="a GPT model's layer is attention"):
+        ModelSpec(pattern=pattern, impl="mcore-gpt")
+    ModelSpec(pattern=pattern)  # fine for the hybrid models
+
+
+def _fake_megatron(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict]]:
+    """Stand-ins for the megatron-core config classes ``transformer_config`` builds."""
+    built: list[tuple[str, dict]] = []
+
+    def config_class(name: str) -> type:
+        return type(name, (), {"__init__": lambda self, **kw: built.append((name, kw))})
+
+    enums = types.ModuleType("megatron.core.transformer.enums")
+    enums.AttnBackend = types.SimpleNamespace(unfused="unfused")
+    configs = types.ModuleType("megatron.core.transformer.transformer_config")
+    configs.TransformerConfig = config_class("TransformerConfig")
+    configs.MLATransformerConfig = config_class("MLATransformerConfig")
+    for name in ("megatron", "megatron.core", "megatron.core.transformer"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, enums.__name__, enums)
+    monkeypatch.setitem(sys.modules, configs.__name__, configs)
+    return built
+
+
+@pytest.mark.parametrize(
+    ("impl", "pattern", "layers", "moe_freq"),
+    [
+        ("mcore-gpt", "*E*E", 2, [1, 1]),
+        ("mcore-gpt", "*-*E", 2, [0, 1]),
+        ("mcore", "*E*E", 4, None),
+    ],
+)
+def test_transformer_config_counts_gpt_layers_as_pairs(
+    monkeypatch: pytest.MonkeyPatch, impl: str, pattern: str, layers: int, moe_freq: list | None
+) -> None:
+    built = _fake_megatron(monkeypatch)
+    spec = ModelSpec(pattern=pattern, impl=impl)
+    transformer_config(spec, SEED_CASE.run_spec(), OffloadConfig(offload_modules=("core_attn",)))
+    ((cls, fields),) = built
+    assert cls == "TransformerConfig"
+    assert fields["num_layers"] == layers
+    assert fields.get("moe_layer_freq") == moe_freq
+    assert fields["offload_modules"] == ["core_attn"]
 
 
 def test_family_selects_rows() -> None:
@@ -57,9 +119,11 @@ def test_mcore_rows_refuse_what_one_megatron_stage_cannot_run(changes: dict) -> 
 
 
 def test_unknown_impl_is_one_line() -> None:
-    with pytest.raises(ValueError, match="unknown impl 'te'; known: harness, mcore"):
+    with pytest.raises(ValueError, match="unknown impl 'te'; known: harness, mcore, mcore-gpt"):
         SEED_CASE.replace(impl="te")
-    with pytest.raises(ValueError, match=r"ModelSpec\.impl must be one of harness, mcore"):
+    with pytest.raises(
+        ValueError, match=r"ModelSpec\.impl must be one of harness, mcore, mcore-gpt"
+    ):
         ModelSpec(pattern="+-", impl="te")
 
 

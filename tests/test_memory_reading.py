@@ -1,0 +1,97 @@
+"""The memory case's allocator readings (``harness.execute``), from synthetic snapshots."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+
+from harness import execute
+from harness.cases import SEED_CASE
+from harness.checks import memory_problems
+from harness.execute import MemoryResult
+
+
+def _segment(address: int, blocks: list[tuple[int, int, str]], **extra: object) -> dict:
+    return {
+        "device": 0,
+        "address": address,
+        "blocks": [{"size": s, "requested_size": r, "state": st, **extra} for s, r, st in blocks],
+    }
+
+
+def test_live_blocks_walk_each_segment_in_address_order(monkeypatch) -> None:
+    snapshot = [
+        _segment(
+            1000,
+            [
+                (512, 500, "active_allocated"),
+                (512, 512, "inactive"),
+                (1024, 1000, "active_allocated"),
+            ],
+        ),
+        {**_segment(9000, [(512, 512, "active_allocated")]), "device": 1},
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
+    live = execute._live_blocks(torch.device("cuda", 0))
+    # the third block starts after the first two (1000 + 512 + 512); device 1 is not read
+    assert live == {1000: (512, 500), 2024: (1024, 1000)}
+
+
+def test_live_blocks_prefer_the_blocks_own_address(monkeypatch) -> None:
+    snapshot = [
+        {
+            "device": 0,
+            "address": 0,
+            "blocks": [
+                {"address": 4096, "size": 512, "requested_size": 512, "state": "active_allocated"}
+            ],
+        }
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
+    assert execute._live_blocks(torch.device("cuda", 0)) == {4096: (512, 512)}
+
+
+def test_an_earlier_runs_memory_freed_meanwhile_is_not_taken_for_a_saving() -> None:
+    floor = {0: (1 << 20, 1 << 20), 1 << 20: (512, 500)}  # an earlier run's block, then ours
+    # the earlier block went away; this run allocated two blocks, one where the old one was
+    now = {1 << 20: (512, 500), 4 << 20: (2048, 2000), 0: (512, 512)}
+    assert sorted(execute._new_blocks(now, floor)) == [(512, 512), (2048, 2000)]
+    assert execute._gone(now, floor) == (1, 1 << 20)
+    assert execute._gone(floor, floor) == (0, 0)
+
+
+def _result(**changes: object) -> MemoryResult:
+    sizes = Counter({4096: 1})
+    res = MemoryResult(
+        case=SEED_CASE,
+        predicted_drop=4096,
+        baseline_requested=14_096,
+        offload_requested=10_000,
+        baseline_allocated=14_096,
+        offload_allocated=10_000,
+        rounding=0,
+        baseline_peak=0,
+        offload_peak=0,
+        peak_allowance=0,
+        predicted_sizes=sizes,
+        freed_sizes=sizes,
+        extra_sizes=Counter(),
+    )
+    return dataclasses.replace(res, **changes)
+
+
+def test_memory_check_refuses_readings_an_earlier_run_disturbed() -> None:
+    assert memory_problems(_result()) == []
+    (problem,) = memory_problems(_result(floor_freed=(2, 937_000_000)))
+    assert "freed 2 blocks (937000000 B) that were allocated before they started" in problem
+
+
+@pytest.mark.parametrize("floor_freed", [(0, 0), (3, 64)])
+def test_memory_record_reports_what_was_freed_from_before(floor_freed) -> None:
+    from harness.report import memory_record
+
+    record = memory_record(_result(floor_freed=floor_freed))["memory"]
+    assert (record["floor_freed_blocks"], record["floor_freed_bytes"]) == floor_freed
