@@ -1,0 +1,235 @@
+"""Where a profiled step's device time went, read from its chrome trace (``scripts/bench --trace``).
+
+Method
+    Device events are the complete (``"ph": "X"``) events of cat ``kernel``, ``gpu_memcpy`` and
+    ``gpu_memset``; an event's ``(pid, tid)`` is its device and CUDA stream. The *compute stream*
+    is the stream with the most kernel time. From them:
+
+    window
+        first device event's start to the last one's end, over all streams.
+    compute busy
+        the union of the compute stream's event intervals (kernels, memsets and any copy on it).
+    idle gaps
+        the compute stream's events in start order; a gap opens where every earlier event has
+        ended and closes where the next one starts, and counts when longer than ``min_gap_us``
+        (5 us: shorter ones are the normal distance between queued kernels). A gap is
+        *launch-bound* when the CUDA runtime/driver call that enqueued the event after it (cat
+        ``cuda_runtime``/``cuda_driver``, the same ``args.correlation``) returned after the gap
+        opened: the stream had run dry and the device waited for the host. Otherwise it is
+        *waiting*: the work was queued in time and the stream waited for something else (an
+        event on a copy stream, a cross-stream dependency). A gap whose launch call is not in
+        the trace counts as waiting.
+    copies
+        per direction, the ``gpu_memcpy`` events whose name contains ``DtoH`` or ``HtoD``, on any
+        stream: count, bytes (``args.bytes``), summed duration, rate (bytes / summed duration)
+        and *hidden* time, the part of each copy's duration during which the compute stream was
+        busy with something other than a DtoH/HtoD copy (so a copy issued on the compute stream
+        itself, as ``save_on_cpu`` does, hides nothing). Hidden means overlapped, not free: a
+        concurrent copy can still slow the kernels it overlaps. The busy intervals are merged
+        once in time order with running sums, so each copy's overlap is two binary searches
+        (busy time up to its end minus busy time up to its start), not a scan of the stream.
+
+Times are exact integer nanoseconds while computing (the trace is read as ``harness.transfers``
+reads it: floats as ``Decimal``) and seconds in the result. One device per trace is assumed for
+the window; streams of other devices only count there.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from harness.transfers import _Event, _events, _memcpy_bytes, load_trace
+
+DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
+COPY_KINDS = ("DtoH", "HtoD")
+MIN_GAP_US = 5.0
+MIB = 2**20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Copies:
+    """The host/device copies of one direction in a trace, on any stream."""
+
+    kind: str
+    """``DtoH`` or ``HtoD``."""
+    count: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    """Summed durations of the copies."""
+    hidden_s: float = 0.0
+    """Of ``seconds``, the time the compute stream was busy with other work (see the module
+    docstring)."""
+
+    @property
+    def gbs(self) -> float | None:
+        """Bytes / summed duration, GB/s (None without copies)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds else None
+
+    @property
+    def hidden_fraction(self) -> float | None:
+        return self.hidden_s / self.seconds if self.seconds else None
+
+    def summary(self) -> str:
+        if not self.count:
+            return f"{self.kind} none"
+        text = f"{self.kind} {self.bytes / MIB:.1f} MiB in {self.seconds * 1e3:.2f} ms"
+        return f"{text} ({self.gbs:.1f} GB/s), {self.hidden_fraction:.0%} hidden"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Timeline:
+    """One trace's device timeline, in seconds (see the module docstring for each figure)."""
+
+    compute_stream: Any
+    """The compute stream's ``tid``."""
+    streams: int
+    """Streams with device events."""
+    window_s: float
+    busy_s: float
+    """Compute stream busy time (union of its events)."""
+    idle_s: float
+    """Sum of the compute stream's gaps longer than the threshold, inside the window."""
+    launch_bound_s: float
+    """Of ``idle_s``, the gaps in which the device waited for the host's launch call."""
+    gaps: int
+    launch_bound_gaps: int
+    d2h: Copies
+    h2d: Copies
+
+    @property
+    def waiting_s(self) -> float:
+        """Of ``idle_s``, the gaps with the next work already queued."""
+        return self.idle_s - self.launch_bound_s
+
+    def summary(self) -> str:
+        """One line: busy/window, idle (launch-bound), then each direction's copies."""
+        return (
+            f"compute busy {self.busy_s * 1e3:.2f} of {self.window_s * 1e3:.2f} ms, "
+            f"idle {self.idle_s * 1e3:.2f} ms ({self.launch_bound_s * 1e3:.2f} launch-bound); "
+            f"{self.d2h.summary()}; {self.h2d.summary()}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields, the derived figures and the summary line, JSON-ready."""
+        out = asdict(self)
+        out["waiting_s"] = self.waiting_s
+        for key, copies in (("d2h", self.d2h), ("h2d", self.h2d)):
+            out[key]["gbs"] = copies.gbs
+            out[key]["hidden_fraction"] = copies.hidden_fraction
+        out["summary"] = self.summary()
+        return out
+
+
+def analyse(
+    trace: str | os.PathLike[str] | Mapping[str, Any], *, min_gap_us: float = MIN_GAP_US
+) -> Timeline | None:
+    """The device timeline of a chrome trace (a ``.json``/``.json.gz`` path or a loaded dict);
+    None when the trace has no device events (a CPU-only profile)."""
+    events = list(_events(load_trace(trace)))
+    device = [e for e in events if e.cat in DEVICE_CATS]
+    if not device:
+        return None
+    by_stream: dict[tuple[Any, Any], list[_Event]] = defaultdict(list)
+    for event in device:
+        by_stream[event.thread].append(event)
+    compute = max(by_stream, key=lambda s: _kernel_ns(by_stream[s]))
+    stream = sorted(by_stream[compute], key=lambda e: e.start)
+    launches = {
+        e.args["correlation"]: e for e in events if e.cat in LAUNCH_CATS and "correlation" in e.args
+    }
+    launch_bound, waiting = _gaps(stream, launches, round(min_gap_us * 1e3))
+    other_work = _BusyTime(e for e in stream if _copy_kind(e) is None)
+    copies = {kind: _copies(kind, device, other_work) for kind in COPY_KINDS}
+    return Timeline(
+        compute_stream=compute[1],
+        streams=len(by_stream),
+        window_s=_seconds(max(e.end for e in device) - min(e.start for e in device)),
+        busy_s=_seconds(_BusyTime(stream).total),
+        idle_s=_seconds(sum(launch_bound) + sum(waiting)),
+        launch_bound_s=_seconds(sum(launch_bound)),
+        gaps=len(launch_bound) + len(waiting),
+        launch_bound_gaps=len(launch_bound),
+        d2h=copies["DtoH"],
+        h2d=copies["HtoD"],
+    )
+
+
+def _seconds(ns: int) -> float:
+    return ns / 1e9
+
+
+def _kernel_ns(events: Iterable[_Event]) -> int:
+    return sum(e.end - e.start for e in events if e.cat == "kernel")
+
+
+def _copy_kind(event: _Event) -> str | None:
+    if event.cat != "gpu_memcpy":
+        return None
+    return next((kind for kind in COPY_KINDS if kind in event.name), None)
+
+
+def _gaps(
+    stream: Sequence[_Event], launches: Mapping[Any, _Event], min_gap_ns: int
+) -> tuple[list[int], list[int]]:
+    """The idle gaps (ns) of ``stream`` (sorted by start) longer than ``min_gap_ns``: launch-bound
+    ones and waiting ones."""
+    launch_bound: list[int] = []
+    waiting: list[int] = []
+    opened = stream[0].end  # the gap opens when every earlier event has ended
+    for event in stream[1:]:
+        gap = event.start - opened
+        if gap > min_gap_ns:
+            launch = launches.get(event.args.get("correlation"))
+            late = launch is not None and launch.end > opened
+            (launch_bound if late else waiting).append(gap)
+        opened = max(opened, event.end)
+    return launch_bound, waiting
+
+
+class _BusyTime:
+    """The union of some events' intervals, answering "busy time between a and b" by binary
+    search: merged disjoint intervals in time order and the busy time before each."""
+
+    def __init__(self, events: Iterable[_Event]) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        for event in sorted(events, key=lambda e: e.start):
+            if self.ends and event.start <= self.ends[-1]:
+                self.ends[-1] = max(self.ends[-1], event.end)
+            else:
+                self.starts.append(event.start)
+                self.ends.append(event.end)
+        self.before = [0]
+        for start, end in zip(self.starts, self.ends, strict=True):
+            self.before.append(self.before[-1] + end - start)
+
+    @property
+    def total(self) -> int:
+        return self.before[-1]
+
+    def until(self, t: int) -> int:
+        """Busy time before instant ``t``."""
+        i = bisect.bisect_right(self.starts, t)  # intervals that start at or before t
+        if i == 0:
+            return 0
+        return self.before[i - 1] + min(t, self.ends[i - 1]) - self.starts[i - 1]
+
+    def between(self, start: int, end: int) -> int:
+        return self.until(end) - self.until(start)
+
+
+def _copies(kind: str, device: Iterable[_Event], busy: _BusyTime) -> Copies:
+    found = [e for e in device if _copy_kind(e) == kind]
+    return Copies(
+        kind=kind,
+        count=len(found),
+        bytes=sum(_memcpy_bytes(e) for e in found),
+        seconds=_seconds(sum(e.end - e.start for e in found)),
+        hidden_s=_seconds(sum(busy.between(e.start, e.end) for e in found)),
+    )
