@@ -33,18 +33,25 @@ def bench() -> ModuleType:
     return _load()
 
 
-def test_cpu_smoke_run_writes_every_variant(bench: ModuleType, tmp_path: Path) -> None:
+def test_cpu_smoke_run_writes_every_variant(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["--device", "cpu", "--models", "hybrid-tiny", "--steps", "1", "--warmup", "1"]
-    argv += ["--microbatches", "1", "--precision", "fp32", "--out", str(tmp_path)]
+    argv += ["--microbatches", "1", "--precision", "fp32", "--rounds", "1", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     (model,) = report["models"]
     variants = model["variants"]
     assert list(variants) == ["baseline", "reference", "mcore", "save_on_cpu"]
+    base = variants["baseline"]["step_s"]
     for name in ("baseline", "reference", "save_on_cpu"):
-        assert variants[name]["status"] == "ok", variants[name]
-        assert len(variants[name]["step_s_all"]) == 1
-        assert "breakdown" not in variants[name] and "trace" not in variants[name]
+        v = variants[name]
+        assert v["status"] == "ok", v
+        assert len(v["step_s_all"]) == 1 and v["round_step_s"] == [v["step_s"]]
+        assert v["ratio"] == v["step_s"] / base and v["round_ratio"] == [v["ratio"]]
+        assert "breakdown" not in v and "trace" not in v and "timeline" not in v
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("var"))
+    assert header.split()[:6] == ["variant", "step", "ms", "x", "base", "D2H"]  # one round
     for name in ("reference", "save_on_cpu"):  # proof the offload happened
         assert variants[name]["d2h_bytes"] > 0 and variants[name]["h2d_bytes"] > 0
     assert variants["mcore"]["status"] in ("ok", "not installed") or variants["mcore"][
@@ -54,6 +61,116 @@ def test_cpu_smoke_run_writes_every_variant(bench: ModuleType, tmp_path: Path) -
     assert "reference faster than save_on_cpu" in verdicts
     assert set(verdicts.values()) <= {"PASS", "SHORT", "n/a"}
     assert report["commit"]["sha"] and report["machine"]["torch"] == torch.__version__
+
+
+def test_cpu_rounds_smoke_run(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--rounds 2``: every variant that runs has two rounds of step times and ratios, the
+    table a range column, the targets their range; the breakdown is the rounds' medians."""
+    argv = ["--device", "cpu", "--models", "hybrid-tiny", "--rounds", "2", "--steps", "1"]
+    argv += ["--breakdown", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    (model,) = report["models"]
+    assert model["rounds"] == 2 and report["args"]["rounds"] == 2
+    variants = model["variants"]
+    base = variants["baseline"]["round_step_s"]
+    for name in ("baseline", "reference", "save_on_cpu"):
+        v = variants[name]
+        assert v["status"] == "ok", v
+        assert (
+            len(v["step_s_all"]) == len(v["round_step_s"]) == 2
+            and v["round_step_s"] == (v["step_s_all"])
+        )  # one timed step per round: its median is that step
+        assert v["step_s"] == pytest.approx(sum(v["round_step_s"]) / 2)
+        assert v["round_ratio"] == [a / b for a, b in zip(v["round_step_s"], base, strict=True)]
+        assert v["ratio"] == pytest.approx(sum(v["round_ratio"]) / 2)
+        assert v["ratio_range"] == [min(v["round_ratio"]), max(v["round_ratio"])]
+        b = v["breakdown"]
+        assert b["rounds"] == 2 and b["timed_steps"] == 1 and len(b["steps"]) == 2
+        assert b["step_s"] == pytest.approx(v["step_s"])
+    assert variants["baseline"]["round_ratio"] == [1.0, 1.0]
+    out = capsys.readouterr().out
+    assert "medians of 2 rounds" in out and "median of 2 rounds" in out
+    header = next(line for line in out.splitlines() if line.startswith("variant"))
+    assert header.split()[:6] == ["variant", "step", "ms", "x", "base", "range"], header
+    lo, hi = variants["reference"]["ratio_range"]
+    assert f"{lo:.3f}-{hi:.3f}" in out
+    (peer,) = [t for t in report["targets"] if t["target"] == "reference faster than save_on_cpu"]
+    assert peer["measured"].endswith("over 2 rounds) its step"), peer
+
+
+def test_rounds_interleave_and_ratio_per_round(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rounds run every variant in order, again and again; a variant that is missing or fails
+    is not run again. Ratios are per round: reference's median ratio 1.02 (range 1.00-1.05)
+    passes the 1.03 target, although its median step over the baseline's would be 1.05."""
+    steps_ms = {"baseline": [10.0, 12.0, 11.0], "reference": [10.2, 12.0, 11.55]}
+    steps_ms["save_on_cpu"] = [20.0]  # fails in round 2
+    calls: list[str] = []
+
+    def fake_run_variant(factory: str, *args: object, **kwargs: object) -> object:
+        calls.append(factory)
+        if factory == "mcore":
+            return bench.VariantResult(status="not installed")
+        done = calls.count(factory)
+        if done > len(steps_ms[factory]):
+            return bench.VariantResult(status="failed: RuntimeError: boom")
+        step = steps_ms[factory][done - 1] / 1e3
+        return bench.VariantResult(step_s=step, step_s_all=[step], d2h_bytes=1, h2d_bytes=1)
+
+    monkeypatch.setattr(bench, "run_variant", fake_run_variant)
+    args = bench.parser().parse_args(["--device", "cpu", "--models", "hybrid-tiny"])
+    args.min_tensor_size = 1024
+    found = {v: v for v in bench.VARIANTS}
+    entry = bench.bench_one("hybrid-tiny", args, torch.device("cpu"), found)
+    round_1 = ["baseline", "reference", "mcore", "save_on_cpu"]
+    assert calls == [*round_1, "baseline", "reference", "save_on_cpu", "baseline", "reference"]
+    v = entry["variants"]
+    assert v["baseline"].step_s == 0.011 and v["baseline"].round_step_s == [0.01, 0.012, 0.011]
+    assert v["reference"].step_s == pytest.approx(0.01155)
+    assert v["reference"].round_ratio == pytest.approx([1.02, 1.0, 1.05])
+    assert v["reference"].ratio == pytest.approx(1.02)
+    assert v["reference"].ratio_range == pytest.approx((1.0, 1.05))
+    assert v["mcore"].status == "not installed" and v["mcore"].ratio is None
+    assert v["save_on_cpu"].status == "round 2: failed: RuntimeError: boom"
+    assert v["save_on_cpu"].step_s is None and v["save_on_cpu"].ratio is None
+
+    entry["raw_copy_s"] = 0.001  # hideable: the 1.03 target applies
+    verdicts = {t.target: t for t in bench.targets("hybrid-tiny", entry)}
+    hideable = verdicts["reference step <= 1.03x baseline (hideable)"]
+    assert (hideable.measured, hideable.verdict) == ("1.020x (1.000-1.050 over 3 rounds)", "PASS")
+    assert verdicts["reference faster than save_on_cpu"].verdict == "n/a"
+    lines = bench.render(entry, list(verdicts.values())).splitlines()
+    assert lines[2].split()[:4] == ["baseline", "11.00", "1.000", "1.000-1.000"]
+    assert lines[3].split()[:4] == ["reference", "11.55", "1.020", "1.000-1.050"]
+    assert lines[4].split()[:4] == ["mcore", "-", "-", "-"]
+
+
+def test_rounds_with_different_bytes_fail(bench: ModuleType) -> None:
+    """Every round moves the same bytes per step (same spec, seed and steps), or the variant is
+    failed."""
+    rounds = [
+        bench.VariantResult(step_s=0.01, step_s_all=[0.01], d2h_bytes=4 * 2**20, h2d_bytes=0),
+        bench.VariantResult(step_s=0.01, step_s_all=[0.01], d2h_bytes=2 * 2**20, h2d_bytes=0),
+    ]
+    merged = bench.combine_rounds(rounds)
+    assert merged.status.startswith("failed: bytes per step differ between rounds"), merged
+    assert "4.0/0.0, 2.0/0.0" in merged.status
+    assert bench.combine_rounds(rounds[:1]).status == "ok"
+
+
+def test_rounds_zero_is_an_argparse_error(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--device", "cpu", "--rounds", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "scripts/bench: error: argument --rounds: must be >= 1, got 0", err
+    assert sum("error" in line for line in err) == 1
 
 
 @pytest.mark.parametrize(
@@ -81,7 +198,9 @@ def test_without_cuda_fails_in_one_line(
     assert err.count("\n") == 1 and "needs a CUDA device" in err, err
 
 
-def test_cpu_breakdown_and_trace(bench: ModuleType, tmp_path: Path) -> None:
+def test_cpu_breakdown_and_trace(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--breakdown``: per variant, per microbatch forward/backward and the step's other phases
     (medians) in the table and bench.json; ``--trace DIR``: one gzipped chrome trace per variant
     that ran, with the phases as ``bench.*`` ranges. 1F1B, so the backwards are not in
@@ -89,9 +208,10 @@ def test_cpu_breakdown_and_trace(bench: ModuleType, tmp_path: Path) -> None:
     original_backward = torch.Tensor.backward
     traces = tmp_path / "traces"
     argv = ["--device", "cpu", "--models", "hybrid-tiny", "--steps", "1", "--warmup", "1"]
-    argv += ["--microbatches", "2", "--schedule", "1f1b", "--precision", "fp32"]
+    argv += ["--microbatches", "2", "--schedule", "1f1b", "--precision", "fp32", "--rounds", "1"]
     argv += ["--breakdown", "--trace", str(traces), "--out", str(tmp_path)]
     assert bench.main(argv) == 0
+    out = capsys.readouterr().out
     assert torch.Tensor.backward is original_backward  # the timing hook is gone
     report = json.loads((tmp_path / "bench.json").read_text())
     (model,) = report["models"]
@@ -112,6 +232,8 @@ def test_cpu_breakdown_and_trace(bench: ModuleType, tmp_path: Path) -> None:
         assert phases | {"bench.end_iteration", "bench.optimizer"} <= names
         moved = any(n.startswith("offload_harness.d2h|") for n in names)
         assert moved == (name == "reference"), name  # the reference's ranges: profiler only
+        assert variants[name]["timeline"] == "no device events (CPU-only trace)"
+        assert f"trace hybrid-tiny/{name}: no device events (CPU-only trace)" in out
     if variants["mcore"]["status"] != "ok":
         assert "breakdown" not in variants["mcore"]
         assert variants["mcore"]["trace"].startswith("not traced")
@@ -157,3 +279,27 @@ def test_breakdown_table(bench: ModuleType, capsys: pytest.CaptureFixture[str]) 
     for r in variants.values():
         r.breakdown = None
     assert bench.render_breakdown(entry) == []
+
+
+def test_trace_timeline_of_a_device_trace(bench: ModuleType, tmp_path: Path) -> None:
+    """A trace with device events: its ``harness.timeline`` figures and summary line (the
+    figures themselves: tests/test_timeline.py); an unreadable one: why, in one line."""
+    kernel = {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 0, "dur": 100}
+    copy = {**kernel, "cat": "gpu_memcpy", "name": "Memcpy DtoH", "tid": 9, "dur": 50}
+    copy["args"] = {"bytes": 2**20}
+    path = tmp_path / "m_reference.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": [kernel, copy]}, f)
+    found = bench.trace_timeline(path)
+    assert found["busy_s"] == pytest.approx(100e-6) and found["d2h"]["hidden_s"] == (
+        pytest.approx(50e-6)
+    )
+    result = bench.VariantResult(trace=str(path), timeline=found)
+    assert bench.trace_line(result) == found["summary"]
+    assert bench.trace_line(result).endswith(
+        "DtoH 1.0 MiB in 0.05 ms (21.0 GB/s), 100% hidden; HtoD none"
+    )
+    broken = tmp_path / "broken.pt.trace.json.gz"
+    broken.write_bytes(b"not gzip")
+    assert bench.trace_timeline(broken).startswith("not analysed: ")
+    assert bench.trace_line(bench.VariantResult(trace="not traced: x")) == "not traced: x"
