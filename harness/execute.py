@@ -315,7 +315,8 @@ class MemoryResult:
     """Requested bytes of live blocks only the offload run holds."""
     floor_freed: tuple[int, int] = (0, 0)
     """Blocks (count, bytes) live before a run started that it freed before its reading (both
-    runs): memory of an earlier run released meanwhile, which makes the readings unreliable."""
+    runs together): memory of earlier runs or process caches released meanwhile, counted in
+    neither reading (reported with any memory problem)."""
 
     @property
     def requested_drop(self) -> int:
@@ -426,12 +427,11 @@ def _new_blocks(now: dict[int, Block], before: dict[int, Block]) -> list[Block]:
 
 
 def _gone(now: dict[int, Block], before: dict[int, Block]) -> tuple[int, int]:
-    """Blocks (count, bytes) live ``before`` and not ``now``.
-
-    A run must not free memory it did not allocate: when it does, that was an earlier run's
-    (megatron-core kept a finished run reachable until the next one replaced its globals, 937 MB
-    on the H200), a new block may sit at its address and be taken for the old one, and the
-    peak counted above it is off by up to its size."""
+    """Blocks (count, bytes) live ``before`` and not ``now``: memory the run freed without
+    having allocated it. On the H200 megatron-core kept a finished run reachable until the next
+    one replaced its globals (937 MB, before ``mcore_models`` emptied a run's storages at its
+    end), and its process caches (MoE metrics, workspaces) are replaced during a run (up to
+    1.4 MB, seen on every mcore row); the readings count neither."""
     gone = [block for address, block in before.items() if now.get(address) != block]
     return len(gone), sum(size for size, _ in gone)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import execute
-from harness.cases import SEED_CASE
+from harness.cases import MCORE_ROWS, SEED_CASE
 from harness.checks import memory_problems
 from harness.execute import MemoryResult
 
@@ -83,10 +83,29 @@ def _result(**changes: object) -> MemoryResult:
     return dataclasses.replace(res, **changes)
 
 
-def test_memory_check_refuses_readings_an_earlier_run_disturbed() -> None:
-    assert memory_problems(_result()) == []
-    (problem,) = memory_problems(_result(floor_freed=(2, 937_000_000)))
-    assert "freed 2 blocks (937000000 B) that were allocated before they started" in problem
+def test_memory_freed_from_before_the_run_is_reported_with_a_problem_only() -> None:
+    assert memory_problems(_result(floor_freed=(2, 937_000_000))) == []
+    problems = memory_problems(_result(floor_freed=(2, 937_000_000), offload_requested=10_001))
+    assert "dropped by 4095 requested bytes, predicted 4096" in problems[0]
+    assert "also freed 2 blocks (937000000 B) allocated before they started" in problems[-1]
+
+
+def test_peak_allows_one_smallest_block_per_slack_block() -> None:
+    row = MCORE_ROWS[0]  # memory_slack 64
+    slack = dict(
+        case=row,
+        extra_sizes=Counter({1: 1, 64: 1}),
+        offload_requested=10_065,
+        offload_allocated=10_065,
+        rounding=2 * 512 - 65,
+        baseline_peak=1_000_000,
+    )
+    assert memory_problems(_result(**slack, offload_peak=1_000_000 + 2 * 512)) == []
+    (problem,) = memory_problems(_result(**slack, offload_peak=1_000_000 + 2 * 512 + 1))
+    assert "by more than the 1024 B allowed" in problem
+    # the seed row declares no slack: the same extra blocks fail the drop, and the peak
+    strict = memory_problems(_result(**{**slack, "case": SEED_CASE}, offload_peak=1_000_512))
+    assert any("by more than the 0 B allowed" in p for p in strict)
 
 
 @pytest.mark.parametrize("floor_freed", [(0, 0), (3, 64)])
