@@ -420,10 +420,16 @@ def _live_blocks(device: torch.device) -> dict[int, Block]:
     return live
 
 
-def _new_blocks(now: dict[int, Block], before: dict[int, Block]) -> list[Block]:
-    """Blocks live ``now`` that were not live ``before`` (same address and sizes): what the run
-    allocated, whatever else was freed meanwhile."""
-    return [block for address, block in now.items() if before.get(address) != block]
+def _new_blocks(now: dict[int, Block], before: dict[int, Block]) -> Counter[Block]:
+    """Blocks live ``now`` that were not live ``before`` (same address and sizes), less one
+    block of the same sizes for each block of ``before`` that is gone: what the run allocated,
+    whatever else was freed meanwhile. A process cache megatron-core or TransformerEngine
+    replaces during a run (H200: 128 KiB and 512-B blocks on the mcore rows) frees its old
+    block and allocates one of the same sizes, at the same address or not; either way it is
+    not counted."""
+    added = Counter(block for address, block in now.items() if before.get(address) != block)
+    gone = Counter(block for address, block in before.items() if now.get(address) != block)
+    return added - gone
 
 
 def _gone(now: dict[int, Block], before: dict[int, Block]) -> tuple[int, int]:
@@ -463,10 +469,12 @@ def _memory_run(
             now = _live_blocks(device)
             new = _new_blocks(now, floor)
             seen["floor_freed"] = _gone(now, floor)
-            seen["allocated"] = sum(size for size, _ in new)
-            seen["requested"] = sum(requested for _, requested in new)
+            seen["allocated"] = sum(size * n for (size, _), n in new.items())
+            seen["requested"] = sum(requested * n for (_, requested), n in new.items())
             seen["rounding"] = seen["allocated"] - seen["requested"]
-            seen["blocks"] = Counter(requested for _, requested in new)
+            seen["blocks"] = Counter({requested: 0 for _, requested in new})
+            for (_, requested), n in new.items():
+                seen["blocks"][requested] += n
 
     @contextlib.contextmanager
     def step_context(step: int) -> Iterator[None]:
