@@ -472,7 +472,7 @@ def _memory_run(
             seen["allocated"] = sum(size * n for (size, _), n in new.items())
             seen["requested"] = sum(requested * n for (_, requested), n in new.items())
             seen["rounding"] = seen["allocated"] - seen["requested"]
-            seen["blocks"] = Counter({requested: 0 for _, requested in new})
+            seen["blocks"] = Counter()
             for (_, requested), n in new.items():
                 seen["blocks"][requested] += n
 
