@@ -245,6 +245,7 @@ def memory_problems(res: MemoryResult) -> list[str]:
     if res.predicted_drop <= 0:
         return ["nothing predicted in flight after the last forward: the check proves nothing"]
     problems = []
+    slack = res.case.memory_slack
     others = _slack_blocks(res)
     small = None if others is None else sum(size * n for size, n in others.items())
     if res.requested_drop != res.predicted_drop and (
@@ -262,8 +263,12 @@ def memory_problems(res: MemoryResult) -> list[str]:
             f"memory_allocated dropped by {res.allocated_drop} B, predicted {res.predicted_drop} B;"
             f" the live blocks' rounding explains at most {res.rounding} B"
         )
-    # a block within the slack takes one of the allocator's smallest blocks at the peak too
-    allowance = res.peak_allowance + MIN_BLOCK * sum((others or Counter()).values())
+    # a block within the slack takes one of the allocator's smallest blocks at the peak too,
+    # and so may a replaced cache block within the slack while old and new are both live
+    small_blocks = sum((others or Counter()).values())
+    if others is not None:
+        small_blocks += sum(n for size, n in res.replaced_sizes.items() if size <= slack)
+    allowance = res.peak_allowance + MIN_BLOCK * small_blocks
     if res.offload_peak > res.baseline_peak + allowance:
         problems.append(
             f"peak {res.offload_peak} B above the baseline's {res.baseline_peak} B by more than "

@@ -317,6 +317,9 @@ class MemoryResult:
     """Blocks (count, bytes) live before a run started that it freed before its reading (both
     runs together): memory of earlier runs or process caches released meanwhile, counted in
     neither reading (reported with any memory problem)."""
+    replaced_sizes: Counter[int] = dataclasses.field(default_factory=Counter)
+    """Requested bytes of the blocks that replaced such freed blocks with the same sizes (a
+    process cache re-created during a run; both runs), also counted in neither reading."""
 
     @property
     def requested_drop(self) -> int:
@@ -386,6 +389,7 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
             base.floor_freed[0] + off.floor_freed[0],
             base.floor_freed[1] + off.floor_freed[1],
         ),
+        replaced_sizes=base.replaced + off.replaced,
     )
 
 
@@ -397,6 +401,7 @@ class _MemoryReading:
     peak: int
     blocks: Counter[int]
     floor_freed: tuple[int, int]
+    replaced: Counter[int]
 
 
 Block = tuple[int, int]
@@ -418,6 +423,16 @@ def _live_blocks(device: torch.device) -> dict[int, Block]:
                 live[address] = (size, int(block.get("requested_size", size)))
             address += size
     return live
+
+
+def _replaced(now: dict[int, Block], before: dict[int, Block]) -> Counter[int]:
+    """Requested sizes of the blocks ``_new_blocks`` cancelled against gone ones."""
+    added = Counter(block for address, block in now.items() if before.get(address) != block)
+    gone = Counter(block for address, block in before.items() if now.get(address) != block)
+    out: Counter[int] = Counter()
+    for (_, requested), n in (added & gone).items():
+        out[requested] += n
+    return out
 
 
 def _new_blocks(now: dict[int, Block], before: dict[int, Block]) -> Counter[Block]:
@@ -469,6 +484,7 @@ def _memory_run(
             now = _live_blocks(device)
             new = _new_blocks(now, floor)
             seen["floor_freed"] = _gone(now, floor)
+            seen["replaced"] = _replaced(now, floor)
             seen["allocated"] = sum(size * n for (size, _), n in new.items())
             seen["requested"] = sum(requested * n for (_, requested), n in new.items())
             seen["rounding"] = seen["allocated"] - seen["requested"]

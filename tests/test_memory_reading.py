@@ -113,6 +113,12 @@ def test_peak_allows_one_smallest_block_per_slack_block() -> None:
     assert memory_problems(_result(**slack, offload_peak=1_000_000 + 2 * 512)) == []
     (problem,) = memory_problems(_result(**slack, offload_peak=1_000_000 + 2 * 512 + 1))
     assert "by more than the 1024 B allowed" in problem
+    # a small cache block replaced during a run: counted in neither reading, one block at the
+    # peak (H200, the op-fuser MoE row: a 1-byte block, 512 B above the baseline's peak)
+    exact = dict(case=row, baseline_peak=1_000_000, offload_peak=1_000_512)
+    assert memory_problems(_result(**exact, replaced_sizes=Counter({1: 1}))) == []
+    (problem,) = memory_problems(_result(**exact, replaced_sizes=Counter({131072: 1})))
+    assert "by more than the 0 B allowed" in problem
     # the seed row declares no slack: the same extra blocks fail the drop, and the peak
     strict = memory_problems(_result(**{**slack, "case": SEED_CASE}, offload_peak=1_000_512))
     assert any("by more than the 0 B allowed" in p for p in strict)
