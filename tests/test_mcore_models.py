@@ -9,15 +9,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import types
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
 from harness.cases import MCORE_ROWS, SEED_CASE, Case, matrix
-from harness.checks import memory_problems
-from harness.execute import MemoryResult
 from harness.mcore_models import Bridge, transformer_config, unavailable_reason
 from harness.offload.config import OffloadConfig
 from harness.offload.recorder import RecordingOffloader
@@ -213,41 +210,6 @@ def test_bridge_refuses_interface_parts_it_does_not_offer() -> None:
 def test_case_family_column_is_validated_with_the_rest() -> None:
     row = Case(impl="mcore", family="moe", offload=("expert_fc1", "moe_act"), precision="bf16")
     assert row.name == "mcore-moe-*E*E_expert_fc1+moe_act_sequential_bf16"
-
-
-def _memory(case: Case, freed: dict[int, int], extra: dict[int, int]) -> MemoryResult:
-    predicted = Counter({4096: 2, 1024: 1})
-    freed_c, extra_c = Counter(freed), Counter(extra)
-    drop = sum(s * n for s, n in freed_c.items()) - sum(s * n for s, n in extra_c.items())
-    return MemoryResult(
-        case=case,
-        predicted_drop=sum(s * n for s, n in predicted.items()),
-        baseline_requested=10_000 + drop,
-        offload_requested=10_000,
-        baseline_allocated=10_000 + drop,
-        offload_allocated=10_000,
-        rounding=0,
-        baseline_peak=0,
-        offload_peak=0,
-        peak_allowance=0,
-        predicted_sizes=predicted,
-        freed_sizes=freed_c,
-        extra_sizes=extra_c,
-    )
-
-
-def test_memory_slack_admits_only_small_blocks_beyond_the_prediction() -> None:
-    row = MCORE_ROWS[0]
-    exact = {4096: 2, 1024: 1}
-    assert memory_problems(_memory(row, exact, {})) == []
-    assert memory_problems(_memory(row, {**exact, 64: 1}, {})) == []
-    assert memory_problems(_memory(row, exact, {1: 1})) == []
-    too_big = memory_problems(_memory(row, exact, {128: 1}))
-    assert too_big and "dropped by" in too_big[0]
-    missed = memory_problems(_memory(row, {4096: 1, 1024: 1, 64: 1}, {}))
-    assert missed and "predicted 9216" in missed[0]
-    strict = memory_problems(_memory(SEED_CASE, exact, {1: 1}))
-    assert strict and "dropped by 9215 requested bytes, predicted 9216" in strict[0]
 
 
 def test_memory_slack_needs_a_reason() -> None:

@@ -1,4 +1,5 @@
-"""The memory case's allocator readings (``harness.execute``), from synthetic snapshots."""
+"""The memory case: its allocator readings (``harness.execute``) from synthetic snapshots, and
+its check (``harness.checks.memory_problems``) on synthetic results."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from harness import execute
-from harness.cases import MCORE_ROWS, SEED_CASE
+from harness.cases import MCORE_ROWS, SEED_CASE, Case
 from harness.checks import memory_problems
 from harness.execute import MemoryResult
 
@@ -130,3 +131,33 @@ def test_memory_record_reports_what_was_freed_from_before(floor_freed) -> None:
 
     record = memory_record(_result(floor_freed=floor_freed))["memory"]
     assert (record["floor_freed_blocks"], record["floor_freed_bytes"]) == floor_freed
+
+
+def _memory(case: Case, freed: dict[int, int], extra: dict[int, int]) -> MemoryResult:
+    """Predicted storages 2 x 4096 B and 1024 B; the runs differ by ``freed`` and ``extra``."""
+    predicted = Counter({4096: 2, 1024: 1})
+    freed_c, extra_c = Counter(freed), Counter(extra)
+    drop = sum(s * n for s, n in freed_c.items()) - sum(s * n for s, n in extra_c.items())
+    return _result(
+        case=case,
+        predicted_drop=sum(s * n for s, n in predicted.items()),
+        baseline_requested=10_000 + drop,
+        baseline_allocated=10_000 + drop,
+        predicted_sizes=predicted,
+        freed_sizes=freed_c,
+        extra_sizes=extra_c,
+    )
+
+
+def test_memory_slack_admits_only_small_blocks_beyond_the_prediction() -> None:
+    row = MCORE_ROWS[0]
+    exact = {4096: 2, 1024: 1}
+    assert memory_problems(_memory(row, exact, {})) == []
+    assert memory_problems(_memory(row, {**exact, 64: 1}, {})) == []
+    assert memory_problems(_memory(row, exact, {1: 1})) == []
+    too_big = memory_problems(_memory(row, exact, {128: 1}))
+    assert too_big and "dropped by" in too_big[0]
+    missed = memory_problems(_memory(row, {4096: 1, 1024: 1, 64: 1}, {}))
+    assert missed and "predicted 9216" in missed[0]
+    strict = memory_problems(_memory(SEED_CASE, exact, {1: 1}))
+    assert strict and "dropped by 9215 requested bytes, predicted 9216" in strict[0]
