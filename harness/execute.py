@@ -425,36 +425,40 @@ def _live_blocks(device: torch.device) -> dict[int, Block]:
     return live
 
 
-def _replaced(now: dict[int, Block], before: dict[int, Block]) -> Counter[int]:
-    """Requested sizes of the blocks ``_new_blocks`` cancelled against gone ones."""
+@dataclass(frozen=True)
+class _BlockChange:
+    """How the live blocks changed since a run started (see ``_block_change``)."""
+
+    new: Counter[Block]
+    """What the run allocated and still holds."""
+    replaced: Counter[Block]
+    """Blocks gone since the start, each matched by a new one of the same sizes."""
+    gone: Counter[Block]
+    """Blocks live at the start and not now (``replaced`` among them)."""
+
+
+def _block_change(now: dict[int, Block], before: dict[int, Block]) -> _BlockChange:
+    """Blocks live ``now`` and not ``before`` (same address and sizes), less one block of the
+    same sizes for each block of ``before`` that is gone: what the run allocated, whatever else
+    was freed meanwhile.
+
+    Memory a run frees without having allocated it: on the H200 megatron-core kept a finished
+    run reachable until the next one replaced its globals (937 MB, before ``mcore_models``
+    emptied a run's storages at its end), and megatron-core and TransformerEngine replace
+    process caches during a run (MoE metrics, workspaces: 128 KiB and 512-B blocks, up to
+    1.4 MB, on every mcore row), freeing the old block and allocating one of the same sizes at
+    the same address or not. The readings count neither."""
     added = Counter(block for address, block in now.items() if before.get(address) != block)
     gone = Counter(block for address, block in before.items() if now.get(address) != block)
-    out: Counter[int] = Counter()
-    for (_, requested), n in (added & gone).items():
-        out[requested] += n
-    return out
+    return _BlockChange(new=added - gone, replaced=added & gone, gone=gone)
 
 
-def _new_blocks(now: dict[int, Block], before: dict[int, Block]) -> Counter[Block]:
-    """Blocks live ``now`` that were not live ``before`` (same address and sizes), less one
-    block of the same sizes for each block of ``before`` that is gone: what the run allocated,
-    whatever else was freed meanwhile. A process cache megatron-core or TransformerEngine
-    replaces during a run (H200: 128 KiB and 512-B blocks on the mcore rows) frees its old
-    block and allocates one of the same sizes, at the same address or not; either way it is
-    not counted."""
-    added = Counter(block for address, block in now.items() if before.get(address) != block)
-    gone = Counter(block for address, block in before.items() if now.get(address) != block)
-    return added - gone
-
-
-def _gone(now: dict[int, Block], before: dict[int, Block]) -> tuple[int, int]:
-    """Blocks (count, bytes) live ``before`` and not ``now``: memory the run freed without
-    having allocated it. On the H200 megatron-core kept a finished run reachable until the next
-    one replaced its globals (937 MB, before ``mcore_models`` emptied a run's storages at its
-    end), and its process caches (MoE metrics, workspaces) are replaced during a run (up to
-    1.4 MB, seen on every mcore row); the readings count neither."""
-    gone = [block for address, block in before.items() if now.get(address) != block]
-    return len(gone), sum(size for size, _ in gone)
+def _requested(blocks: Counter[Block]) -> Counter[int]:
+    """The requested sizes of ``blocks``."""
+    sizes: Counter[int] = Counter()
+    for (_, requested), n in blocks.items():
+        sizes[requested] += n
+    return sizes
 
 
 def _settled(device: torch.device) -> None:
@@ -481,16 +485,14 @@ def _memory_run(
     def after_forward(step: int, mb: int) -> None:
         if step == last and mb == last_mb:
             _settled(device)
-            now = _live_blocks(device)
-            new = _new_blocks(now, floor)
-            seen["floor_freed"] = _gone(now, floor)
-            seen["replaced"] = _replaced(now, floor)
-            seen["allocated"] = sum(size * n for (size, _), n in new.items())
-            seen["requested"] = sum(requested * n for (_, requested), n in new.items())
+            change = _block_change(_live_blocks(device), floor)
+            gone = change.gone.items()
+            seen["floor_freed"] = (sum(n for _, n in gone), sum(b[0] * n for b, n in gone))
+            seen["replaced"] = _requested(change.replaced)
+            seen["blocks"] = _requested(change.new)
+            seen["allocated"] = sum(size * n for (size, _), n in change.new.items())
+            seen["requested"] = sum(size * n for size, n in seen["blocks"].items())
             seen["rounding"] = seen["allocated"] - seen["requested"]
-            seen["blocks"] = Counter()
-            for (_, requested), n in new.items():
-                seen["blocks"][requested] += n
 
     @contextlib.contextmanager
     def step_context(step: int) -> Iterator[None]:

@@ -59,9 +59,9 @@ def test_an_earlier_runs_memory_freed_meanwhile_is_not_taken_for_a_saving() -> N
     floor = {0: (1 << 20, 1 << 20), 1 << 20: (512, 500)}  # an earlier run's block, then ours
     # the earlier block went away; this run allocated two blocks, one where the old one was
     now = {1 << 20: (512, 500), 4 << 20: (2048, 2000), 0: (512, 512)}
-    assert execute._new_blocks(now, floor) == Counter({(512, 512): 1, (2048, 2000): 1})
-    assert execute._gone(now, floor) == (1, 1 << 20)
-    assert execute._gone(floor, floor) == (0, 0)
+    assert execute._block_change(now, floor).new == Counter({(512, 512): 1, (2048, 2000): 1})
+    assert execute._block_change(now, floor).gone == Counter({(1 << 20, 1 << 20): 1})
+    assert execute._block_change(floor, floor).gone == Counter()
 
 
 def test_a_cache_replaced_during_the_run_is_not_counted_wherever_it_lands() -> None:
@@ -69,9 +69,11 @@ def test_a_cache_replaced_during_the_run_is_not_counted_wherever_it_lands() -> N
     moved = {1 << 21: (131072, 131072), 1 << 20: (512, 8), 1 << 22: (4096, 4000)}
     same_place = {0: (131072, 131072), 1 << 20: (512, 8), 1 << 22: (4096, 4000)}
     for now in (moved, same_place):
-        assert execute._new_blocks(now, floor) == Counter({(4096, 4000): 1})
+        assert execute._block_change(now, floor).new == Counter({(4096, 4000): 1})
+    assert execute._block_change(moved, floor).replaced == Counter({(131072, 131072): 1})
+    assert execute._block_change(same_place, floor).replaced == Counter()
     # a freed block nothing replaced is not subtracted from anything
-    assert execute._new_blocks({1 << 22: (4096, 4000)}, floor) == Counter({(4096, 4000): 1})
+    assert execute._block_change({1 << 22: (4096, 4000)}, floor).new == Counter({(4096, 4000): 1})
 
 
 def _result(**changes: object) -> MemoryResult:
