@@ -5,32 +5,19 @@ the GPU run is the real benchmark.)"""
 from __future__ import annotations
 
 import gzip
-import importlib.machinery
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench"
-
-
-def _load() -> ModuleType:
-    loader = importlib.machinery.SourceFileLoader("bench_script", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("bench_script", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    loader.exec_module(module)
-    return module
+from harness.testing.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return _load()
+    return load_script("bench")
 
 
 def test_cpu_smoke_run_writes_every_variant(

@@ -439,21 +439,12 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
 
 # ------------------------------------------------------------------- scripts/mutation_score
 
-MUTATION_SCORE = REPO / "scripts" / "mutation_score"
-
 
 @pytest.fixture(scope="module")
 def mutation_score() -> Any:
-    import importlib.machinery
-    import importlib.util
+    from harness.testing.scripts import load_script
 
-    loader = importlib.machinery.SourceFileLoader("mutation_score_script", str(MUTATION_SCORE))
-    spec = importlib.util.spec_from_loader("mutation_score_script", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    loader.exec_module(module)
-    return module
+    return load_script("mutation_score")
 
 
 @pytest.mark.parametrize(

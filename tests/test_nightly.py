@@ -4,8 +4,6 @@ the command it launches (torchrun on GPUs, xdist on CPU). The script runs end to
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -14,18 +12,12 @@ from typing import Any
 import pytest
 
 from harness.cases import Case, default_matrix
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "nightly"
+from harness.testing.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def nightly() -> ModuleType:
-    loader = importlib.machinery.SourceFileLoader("nightly_script", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("nightly_script", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return load_script("nightly")
 
 
 def _summary(**changes: Any) -> dict[str, Any]:

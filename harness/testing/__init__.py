@@ -1,1 +1,1 @@
-"""Test support for the harness's own unit tests (Hypothesis strategies)."""
+"""Test support for the harness's own unit tests (Hypothesis strategies, loading scripts)."""
