@@ -20,9 +20,10 @@ Method
         event on a copy stream, a cross-stream dependency). A gap whose launch call is not in
         the trace counts as waiting.
     copies
-        per direction, the ``gpu_memcpy`` events whose name contains ``DtoH`` or ``HtoD``, on any
-        stream: count, bytes (``args.bytes``), summed duration, rate (bytes / summed duration)
-        and *hidden* time, the part of each copy's duration during which the compute stream was
+        per direction, the ``gpu_memcpy`` events named ``Memcpy DtoH ...`` or ``Memcpy HtoD ...``
+        (``harness.transfers``' direction rule), on any stream: count, bytes (``args.bytes``),
+        summed duration, rate (bytes / summed duration) and *hidden* time, the part of each
+        copy's duration during which the compute stream was
         busy with something other than a DtoH/HtoD copy (so a copy issued on the compute stream
         itself, as ``save_on_cpu`` does, hides nothing). Hidden means overlapped, not free: a
         concurrent copy can still slow the kernels it overlaps. The busy intervals are merged
@@ -43,11 +44,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from harness.transfers import _Event, _events, _memcpy_bytes, load_trace
+from harness.transfers import (
+    _LAUNCH_CATS,
+    _Event,
+    _events,
+    _memcpy_bytes,
+    _memcpy_direction,
+    load_trace,
+)
 
 DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
-LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
-COPY_KINDS = ("DtoH", "HtoD")
+COPY_KINDS = {"d2h": "DtoH", "h2d": "HtoD"}
+"""A copy direction and its label."""
 MIN_GAP_US = 5.0
 MIB = 2**20
 
@@ -141,11 +149,13 @@ def analyse(
     compute = max(by_stream, key=lambda s: _kernel_ns(by_stream[s]))
     stream = sorted(by_stream[compute], key=lambda e: e.start)
     launches = {
-        e.args["correlation"]: e for e in events if e.cat in LAUNCH_CATS and "correlation" in e.args
+        e.args["correlation"]: e
+        for e in events
+        if e.cat in _LAUNCH_CATS and "correlation" in e.args
     }
     launch_bound, waiting = _gaps(stream, launches, round(min_gap_us * 1e3))
     other_work = _BusyTime(e for e in stream if _copy_kind(e) is None)
-    copies = {kind: _copies(kind, device, other_work) for kind in COPY_KINDS}
+    copies = {kind: _copies(kind, device, other_work) for kind in COPY_KINDS.values()}
     return Timeline(
         compute_stream=compute[1],
         streams=len(by_stream),
@@ -171,7 +181,8 @@ def _kernel_ns(events: Iterable[_Event]) -> int:
 def _copy_kind(event: _Event) -> str | None:
     if event.cat != "gpu_memcpy":
         return None
-    return next((kind for kind in COPY_KINDS if kind in event.name), None)
+    direction = _memcpy_direction(event.name)
+    return None if direction is None else COPY_KINDS[direction]
 
 
 def _gaps(
