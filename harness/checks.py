@@ -258,6 +258,10 @@ def memory_problems(res: MemoryResult) -> list[str]:
             f"  live only in the baseline: {_sizes(res.freed_sizes)}",
             f"  live only in the offload run: {_sizes(res.extra_sizes)}",
         ]
+        problems += _site_lines(
+            "baseline", res.freed_sizes - res.predicted_sizes, res.baseline_sites
+        )
+        problems += _site_lines("offload run", res.extra_sizes, res.offload_sites)
     if abs(res.allocated_drop - res.predicted_drop) > res.rounding + (small or 0):
         problems.append(
             f"memory_allocated dropped by {res.allocated_drop} B, predicted {res.predicted_drop} B;"
@@ -298,6 +302,16 @@ def _slack_blocks(res: MemoryResult) -> Counter[int] | None:
     if any(size > slack for size in others):
         return None
     return others
+
+
+def _site_lines(run: str, sizes: Counter[int], sites: dict[int, str], limit: int = 6) -> list[str]:
+    """Where ``run`` allocated its unexplained blocks, largest first (sizes without a recorded
+    site are left out)."""
+    known = sorted((size for size in sizes if size in sites), reverse=True)
+    lines = [f"  {run} allocated {size} B at {sites[size]}" for size in known[:limit]]
+    if len(known) > limit:
+        lines.append(f"  ... and {len(known) - limit} more sizes")
+    return lines
 
 
 def _sizes(sizes: Counter[int], limit: int = 12) -> str:

@@ -320,6 +320,12 @@ class MemoryResult:
     replaced_sizes: Counter[int] = dataclasses.field(default_factory=Counter)
     """Requested bytes of the blocks that replaced such freed blocks with the same sizes (a
     process cache re-created during a run; both runs), also counted in neither reading."""
+    baseline_sites: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Requested size -> where the baseline allocated one of its counted blocks of that size
+    (innermost Python frames outside torch; from the allocator's history, recorded during the
+    memory runs), to name the owner of a block the prediction does not explain."""
+    offload_sites: dict[int, str] = dataclasses.field(default_factory=dict)
+    """The same for the offload run."""
 
     @property
     def requested_drop(self) -> int:
@@ -368,9 +374,11 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
         if steady[(o.microbatch, o.layer, o.name)].offloaded
     )
     last_mb = order[last_forward][1]
-    base = _memory_run(spec, run, NoOffload(), env.device, last_mb, case.sharding)
-    with _closing(env.offloader(config)) as offloader:
-        off = _memory_run(spec, run, offloader, env.device, last_mb, case.sharding)
+    _prime(spec, run, env.device, case.sharding)
+    with _allocation_sites(env.device):
+        base = _memory_run(spec, run, NoOffload(), env.device, last_mb, case.sharding)
+        with _closing(env.offloader(config)) as offloader:
+            off = _memory_run(spec, run, offloader, env.device, last_mb, case.sharding)
     return MemoryResult(
         case=case,
         predicted_drop=sum(freed.values()),
@@ -390,7 +398,20 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
             base.floor_freed[1] + off.floor_freed[1],
         ),
         replaced_sizes=base.replaced + off.replaced,
+        baseline_sites=base.sites,
+        offload_sites=off.sites,
     )
+
+
+def _prime(spec: ModelSpec, run: RunSpec, device: torch.device, sharding: str) -> None:
+    """One unmeasured plain step of ``spec`` before a memory pair.
+
+    Process caches (megatron-core's global buffers, TransformerEngine's and cuBLAS's
+    workspaces) hold what the process ran last, which need not be this model; then the pair's
+    first run would re-create them alone (on the H200, after the other case files had run:
+    two 128 KiB blocks the baseline held and the offload run did not). After this step both
+    runs find the caches as this model leaves them."""
+    train(spec, run.replace(steps=1), NoOffload(), device, sharding=sharding)
 
 
 @dataclass(frozen=True)
@@ -402,14 +423,18 @@ class _MemoryReading:
     blocks: Counter[int]
     floor_freed: tuple[int, int]
     replaced: Counter[int]
+    sites: dict[int, str]
 
 
 Block = tuple[int, int]
 """A live allocator block: (size, requested size) in bytes."""
 
 
-def _live_blocks(device: torch.device) -> dict[int, Block]:
-    """The allocator's live blocks on ``device`` by address: (block size, requested size)."""
+def _live_blocks(device: torch.device, sites: dict[int, str] | None = None) -> dict[int, Block]:
+    """The allocator's live blocks on ``device`` by address: (block size, requested size).
+
+    With ``sites``, also fills it with each block's allocation site (``allocation_site``) where
+    the allocator recorded one (``_allocation_sites``)."""
     live: dict[int, Block] = {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     for segment in torch.cuda.memory_snapshot():
@@ -421,8 +446,48 @@ def _live_blocks(device: torch.device) -> dict[int, Block]:
             address = int(block.get("address", address))
             if block.get("state") == "active_allocated":
                 live[address] = (size, int(block.get("requested_size", size)))
+                if sites is not None and block.get("frames"):
+                    sites[address] = allocation_site(block["frames"])
             address += size
     return live
+
+
+def allocation_site(frames: list[dict[str, Any]], depth: int = 2) -> str:
+    """The innermost ``depth`` Python frames of an allocator stack (innermost first, as the
+    snapshot lists them) outside torch's own package: ``file:line (function) < caller``."""
+    own = [
+        f
+        for f in frames
+        if f.get("filename", "").endswith(".py")
+        and "/torch/" not in f["filename"].replace("\\", "/")
+    ]
+    shown = own[:depth] or frames[:depth]
+    return " < ".join(
+        f"{_short_path(f.get('filename', '?'))}:{f.get('line', '?')} ({f.get('name', '?')})"
+        for f in shown
+    )
+
+
+def _short_path(filename: str) -> str:
+    """A site's file from its package root (``megatron/core/...``, ``harness/...``)."""
+    parts = filename.replace("\\", "/").split("/")
+    for root in ("megatron", "transformer_engine", "harness", "torch"):
+        if root in parts:
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(root) :])
+    return "/".join(parts[-2:])
+
+
+@contextlib.contextmanager
+def _allocation_sites(device: torch.device) -> Iterator[None]:
+    """Record the Python stack of every CUDA allocation on ``device`` meanwhile (the
+    allocator's history, state only: no event trace), so a reading can name where an
+    unexplained block came from; off again afterwards."""
+    record = torch.cuda.memory._record_memory_history
+    record(enabled="state", context="alloc", stacks="python", device=device)
+    try:
+        yield
+    finally:
+        record(enabled=None, device=device)
 
 
 @dataclass(frozen=True)
@@ -485,7 +550,9 @@ def _memory_run(
     def after_forward(step: int, mb: int) -> None:
         if step == last and mb == last_mb:
             _settled(device)
-            change = _block_change(_live_blocks(device), floor)
+            sites: dict[int, str] = {}
+            now = _live_blocks(device, sites)
+            change = _block_change(now, floor)
             gone = change.gone.items()
             seen["floor_freed"] = (sum(n for _, n in gone), sum(b[0] * n for b, n in gone))
             seen["replaced"] = _requested(change.replaced)
@@ -493,6 +560,11 @@ def _memory_run(
             seen["allocated"] = sum(size * n for (size, _), n in change.new.items())
             seen["requested"] = sum(size * n for size, n in seen["blocks"].items())
             seen["rounding"] = seen["allocated"] - seen["requested"]
+            new = set(change.new)
+            seen["sites"] = {}
+            for address, block in now.items():
+                if block in new and address in sites and floor.get(address) != block:
+                    seen["sites"].setdefault(block[1], sites[address])
 
     @contextlib.contextmanager
     def step_context(step: int) -> Iterator[None]:

@@ -76,6 +76,39 @@ def test_a_cache_replaced_during_the_run_is_not_counted_wherever_it_lands() -> N
     assert execute._block_change({1 << 22: (4096, 4000)}, floor).new == Counter({(4096, 4000): 1})
 
 
+_MEGATRON = "/root/te-site/megatron/core/transformer/dot_product_attention.py"
+_FRAMES = [  # innermost first, as the allocator's snapshot lists them
+    {
+        "filename": "/venv/lib/python3.12/site-packages/torch/nn/modules/module.py",
+        "line": 1,
+        "name": "_call_impl",
+    },
+    {"filename": _MEGATRON, "line": 189, "name": "forward"},
+    {"filename": "/repo/harness/mcore_models.py", "line": 300, "name": "forward_step"},
+    {"filename": "/repo/harness/train.py", "line": 12, "name": "train"},
+]
+
+
+def test_live_blocks_name_each_blocks_allocation_site(monkeypatch) -> None:
+    snapshot = [
+        _segment(0, [(131072, 131072, "active_allocated")], frames=_FRAMES),
+        _segment(1 << 20, [(512, 8, "active_allocated")]),  # allocated before recording began
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
+    sites: dict[int, str] = {}
+    live = execute._live_blocks(torch.device("cuda", 0), sites)
+    assert live == {0: (131072, 131072), 1 << 20: (512, 8)}
+    assert sites == {
+        0: "megatron/core/transformer/dot_product_attention.py:189 (forward)"
+        " < harness/mcore_models.py:300 (forward_step)"
+    }
+
+
+def test_a_site_inside_torch_alone_is_still_named() -> None:
+    site = execute.allocation_site(_FRAMES[:1], depth=1)
+    assert site == "torch/nn/modules/module.py:1 (_call_impl)"
+
+
 def _result(**changes: object) -> MemoryResult:
     sizes = Counter({4096: 1})
     res = MemoryResult(
@@ -125,6 +158,25 @@ def test_peak_allows_one_smallest_block_per_slack_block() -> None:
     # the seed row declares no slack: the same extra blocks fail the drop, and the peak
     strict = memory_problems(_result(**{**slack, "case": SEED_CASE}, offload_peak=1_000_512))
     assert any("by more than the 0 B allowed" in p for p in strict)
+
+
+def test_memory_problems_name_where_unexplained_blocks_were_allocated() -> None:
+    site = "megatron/core/transformer/dot_product_attention.py:189 (forward)"
+    res = _result(
+        freed_sizes=Counter({4096: 1, 131072: 2}),
+        baseline_requested=14_096 + 2 * 131072,
+        baseline_allocated=14_096 + 2 * 131072,
+        baseline_sites={4096: "harness/models/layers.py:40 (forward)", 131072: site},
+        extra_sizes=Counter({4: 1}),
+        offload_requested=10_004,
+        offload_allocated=10_004,
+        offload_sites={4: "harness/offload/reference.py:7 (commit)"},
+    )
+    problems = memory_problems(res)
+    # the predicted storage (4096 B) is explained: only the others get a site line
+    assert f"  baseline allocated 131072 B at {site}" in problems
+    assert "  offload run allocated 4 B at harness/offload/reference.py:7 (commit)" in problems
+    assert not any("4096 B at" in line for line in problems)
 
 
 @pytest.mark.parametrize("floor_freed", [(0, 0), (3, 64)])
