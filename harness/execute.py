@@ -374,7 +374,6 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
         if steady[(o.microbatch, o.layer, o.name)].offloaded
     )
     last_mb = order[last_forward][1]
-    _prime(spec, run, env.device, case.sharding)
     with _allocation_sites(env.device):
         base = _memory_run(spec, run, NoOffload(), env.device, last_mb, case.sharding)
         with _closing(env.offloader(config)) as offloader:
@@ -401,17 +400,6 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
         baseline_sites=base.sites,
         offload_sites=off.sites,
     )
-
-
-def _prime(spec: ModelSpec, run: RunSpec, device: torch.device, sharding: str) -> None:
-    """One unmeasured plain step of ``spec`` before a memory pair.
-
-    Process caches (megatron-core's global buffers, TransformerEngine's and cuBLAS's
-    workspaces) hold what the process ran last, which need not be this model; then the pair's
-    first run would re-create them alone (on the H200, after the other case files had run:
-    two 128 KiB blocks the baseline held and the offload run did not). After this step both
-    runs find the caches as this model leaves them."""
-    train(spec, run.replace(steps=1), NoOffload(), device, sharding=sharding)
 
 
 @dataclass(frozen=True)

@@ -534,7 +534,22 @@ def train(
         losses=losses.cpu(), logs=offloader.iteration_logs(), grads=grads, final_state=state
     )
     _release(named, optimizer)
+    _clear_forward_caches(model)
     return result
+
+
+def _clear_forward_caches(model: torch.nn.Module) -> None:
+    """Empty the ``functools.lru_cache`` of every module class whose ``forward`` has one.
+
+    megatron-core's ``RotaryEmbedding.forward`` is cached per instance (at most 32 entries
+    process-wide), so each finished model's rotary table (128 KiB at the ``-small`` sizes)
+    stayed live until 31 later calls evicted it: on the H200 a memory pair's reading then
+    depended on which run an eviction fell in (a 131072-B block "only in the baseline", or
+    only in the offload run, allocated at ``rotary_pos_embedding.py`` ``get_emb``)."""
+    for cls in {type(m) for m in model.modules()}:
+        clear = getattr(cls.forward, "cache_clear", None)
+        if callable(clear):
+            clear()
 
 
 def _release(named: list[tuple[str, torch.nn.Parameter]], optimizer: Any) -> None:

@@ -243,3 +243,31 @@ def test_cli_lists_the_mcore_rows(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["cases", "--family", "mcore"]) == 0
     assert capsys.readouterr().out.split() == [row.name for row in MCORE_ROWS]
+
+
+def test_a_finished_runs_cached_forwards_are_emptied() -> None:
+    """megatron-core's ``RotaryEmbedding.forward`` is an ``lru_cache`` keyed by the module, so a
+    finished model's rotary table stayed live until later calls evicted it (the H200 memory
+    case then saw a 131072-B block in one run of a pair only); a run's end empties such caches
+    for every module class of its model and leaves other classes alone."""
+    import functools
+
+    from harness.mcore_models import _clear_forward_caches
+
+    class Rotary(torch.nn.Module):
+        @functools.lru_cache(maxsize=32)  # noqa: B019 - the pattern under test
+        def forward(self, n: int) -> torch.Tensor:
+            return torch.arange(n)
+
+    class Elsewhere(torch.nn.Module):  # not in the model: its cache stays
+        @functools.lru_cache(maxsize=32)  # noqa: B019
+        def forward(self, n: int) -> torch.Tensor:
+            return torch.arange(n)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Rotary())
+    other = Elsewhere()
+    model[1](4), other(4)
+    assert Rotary.forward.cache_info().currsize == 1
+    _clear_forward_caches(model)
+    assert Rotary.forward.cache_info().currsize == 0
+    assert Elsewhere.forward.cache_info().currsize == 1
