@@ -601,3 +601,27 @@ def test_second_backward_with_retain_graph_raises() -> None:
     assert torch.equal(x.grad, torch.cos(x.detach()))  # the first unpack got the offloaded copy
     with pytest.raises(RuntimeError, match="unpacked twice"):
         loss.backward()
+
+
+def _fills(make: Callable[[], torch.Tensor]) -> int:
+    """``aten::fill_`` calls while ``make`` runs under deterministic algorithms."""
+    from harness.train import deterministic
+
+    with deterministic(torch.device("cpu")), torch.profiler.profile() as prof:
+        make()
+    return sum(event.name == "aten::fill_" for event in prof.events())
+
+
+def test_staging_buffers_skip_the_deterministic_fill() -> None:
+    """Deterministic mode fills every new ``torch.empty`` with NaN (a host memset per pool miss
+    on the H200's MoE groups); a staging buffer, overwritten by its copy, is not filled, and the
+    flag is back afterwards."""
+    import torch.utils.deterministic as det
+
+    from harness.offload.pool import HostBufferPool, staging_buffer
+
+    shape = (64, 1024)
+    assert _fills(lambda: torch.empty(shape)) == 1  # the fill this avoids
+    assert _fills(lambda: staging_buffer(shape, torch.float32)) == 0
+    assert _fills(lambda: HostBufferPool(pin_memory=False).acquire(shape, torch.float32, None)) == 0
+    assert det.fill_uninitialized_memory is True

@@ -42,7 +42,7 @@ import torch
 from harness.offload.config import MOE_EXPERT_NAMES, OffloadConfig
 from harness.offload.passthrough import PassThroughGroup, apply_to_first
 from harness.offload.policy import apply_post_warmup
-from harness.offload.pool import HostBufferPool
+from harness.offload.pool import HostBufferPool, staging_buffer
 from harness.offload.protocol import GroupRecord, IterationLog, Output
 from harness.offload.ranges import Direction, profiler_range
 
@@ -512,7 +512,7 @@ class OffloadContext:
 
     def _new_host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An unpooled host buffer (pinned on CUDA)."""
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.cuda)
+        return staging_buffer(shape, dtype, pin_memory=self.cuda)
 
     def _d2h_copy(self, group: _Group, buffer: torch.Tensor, src: torch.Tensor) -> None:
         """One D2H copy into ``buffer``, counted in the group's log."""
@@ -640,7 +640,7 @@ class OffloadContext:
 
     def _copy_in(self, group: _Group, entry: _HostCopy) -> torch.Tensor:
         buffer = entry.buffer
-        restored = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device)
+        restored = staging_buffer(buffer.shape, buffer.dtype, self.device)
         self._h2d_copy(group, restored, buffer)
         if entry.view is not None:
             size, stride, offset = entry.view
