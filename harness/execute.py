@@ -498,9 +498,11 @@ def _block_change(now: dict[int, Block], before: dict[int, Block]) -> _BlockChan
     Memory a run frees without having allocated it: on the H200 megatron-core kept a finished
     run reachable until the next one replaced its globals (937 MB, before ``mcore_models``
     emptied a run's storages at its end), and megatron-core and TransformerEngine replace
-    process caches during a run (MoE metrics, workspaces: 128 KiB and 512-B blocks, up to
-    1.4 MB, on every mcore row), freeing the old block and allocating one of the same sizes at
-    the same address or not. The readings count neither."""
+    process caches during a run (128 KiB and 512-B blocks, up to 1.4 MB, on every mcore row;
+    the 128 KiB ones were earlier models' rotary tables in ``RotaryEmbedding.forward``'s
+    ``lru_cache``, which ``mcore_models`` now empties at a run's end), freeing the old block
+    and allocating one of the same sizes at the same address or not. The readings count
+    neither."""
     added = Counter(block for address, block in now.items() if before.get(address) != block)
     gone = Counter(block for address, block in before.items() if now.get(address) != block)
     return _BlockChange(new=added - gone, replaced=added & gone, gone=gone)

@@ -10,6 +10,8 @@
 #               modules (through the bridge)
 #   repro       `offload-harness repro` of the seed under delays: the one-command reproduction
 #   golden-new  records golden traces for the rows that have none yet (tarred to $OUT)
+#   bench       scripts/bench on hybrid-small, moe-small and moe-bench, 3 rounds, with the
+#               breakdown (megatron-core's offloader as the mcore variant), bench.json to $OUT
 # SECTIONS="seed cases ..." runs a subset (default: all, in the order above). Logs and reports
 # go to $OUT (default reports/gpu-mcore); limits: T_<SECTION> seconds.
 set -uo pipefail
@@ -25,7 +27,7 @@ te.__version__, '| megatron-core', mc.__version__)"
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
-SECTIONS=${SECTIONS:-seed seed-delays cases moe-delays bridge repro golden-new}
+SECTIONS=${SECTIONS:-seed seed-delays cases moe-delays bridge repro golden-new bench}
 section() {  # section NAME LIMIT COMMAND...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -60,6 +62,8 @@ PY
 if ((${#NEW[@]})); then
   section golden-new "${T_GOLDEN_NEW:-150}" "${CASES[@]}" --update-golden "${NEW[@]}"
 fi
+section bench "${T_BENCH:-300}" python3 scripts/bench --models hybrid-small,moe-small,moe-bench \
+  --rounds 3 --breakdown --out "$OUT/bench"
 tar -czf "$OUT/reports.tgz" -C "$OUT" reports 2>/dev/null && rm -rf "$OUT/reports"
 if [ -n "${UPDATE_GOLDEN:-}" ] || [[ " $SECTIONS " == *" golden-new "* ]]; then
   tar -czf "$OUT/golden.tgz" cases/golden/*/mcore-*
