@@ -30,6 +30,16 @@ Method
         once in time order with running sums, so each copy's overlap is two binary searches
         (busy time up to its end minus busy time up to its start), not a scan of the stream.
 
+Host side (``host_self_times``, ``host_increase``)
+    the *self time* of every host event (cat ``cpu_op``, ``user_annotation``,
+    ``python_function``, ``cuda_runtime``, ``cuda_driver``): its duration less the time of
+    the events nested in it on the same thread, summed per name up to its first ``|`` (so
+    ``bench.forward|mb=0`` and ``offload_harness.d2h|core_attn|mb=0|layer=2`` aggregate). A
+    range's self time is the Python between its ops. Compared between two variants' traces, the
+    names whose self time grew most say where an offloader's extra host time went (on the H200,
+    ``aten::fill_`` inside the reference's commits on ``moe-small``: the deterministic mode's
+    fill of new host buffers).
+
 Times are exact integer nanoseconds while computing (the trace is read as ``harness.transfers``
 reads it: floats as ``Decimal``) and seconds in the result. One device per trace is assumed for
 the window; streams of other devices only count there.
@@ -54,6 +64,9 @@ from harness.transfers import (
 )
 
 DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+HOST_CATS = frozenset(
+    {"cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver"}
+)
 COPY_KINDS = {"d2h": "DtoH", "h2d": "HtoD"}
 """A copy direction and its label."""
 MIN_GAP_US = 5.0
@@ -244,3 +257,38 @@ def _copies(kind: str, device: Iterable[_Event], busy: _BusyTime) -> Copies:
         seconds=_seconds(sum(e.end - e.start for e in found)),
         hidden_s=_seconds(sum(busy.between(e.start, e.end) for e in found)),
     )
+
+
+def host_self_times(trace: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, float]:
+    """Seconds of host self time per event name (up to its first ``|``) in a chrome trace: each
+    host event's duration less what is nested in it on its thread (module docstring)."""
+    by_thread: dict[tuple[Any, Any], list[_Event]] = defaultdict(list)
+    for event in _events(load_trace(trace)):
+        if event.cat in HOST_CATS:
+            by_thread[event.thread].append(event)
+    self_ns: dict[str, int] = defaultdict(int)
+
+    def close(event: _Event, nested: int) -> None:
+        self_ns[event.name.split("|", 1)[0]] += max(0, event.end - event.start - nested)
+
+    for events in by_thread.values():
+        events.sort(key=lambda e: (e.start, -e.end))  # a parent before what it contains
+        stack: list[list[Any]] = []  # [event, nested ns]
+        for event in events:
+            while stack and stack[-1][0].end <= event.start:
+                close(*stack.pop())
+            if stack:  # nested in the innermost open event (clipped if it overhangs)
+                stack[-1][1] += min(event.end, stack[-1][0].end) - event.start
+            stack.append([event, 0])
+        while stack:
+            close(*stack.pop())
+    return {name: _seconds(ns) for name, ns in self_ns.items()}
+
+
+def host_increase(
+    baseline: Mapping[str, float], other: Mapping[str, float], top: int = 5
+) -> list[tuple[str, float]]:
+    """The ``top`` names whose host self time (``host_self_times``) grew most from
+    ``baseline`` to ``other``, with the growth in seconds, largest first; only growths."""
+    grown = ((name, other[name] - baseline.get(name, 0.0)) for name in other)
+    return sorted((g for g in grown if g[1] > 0), key=lambda g: -g[1])[:top]

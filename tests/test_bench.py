@@ -296,3 +296,41 @@ def test_trace_timeline_of_a_device_trace(bench: ModuleType, tmp_path: Path) -> 
     broken.write_bytes(b"not gzip")
     assert bench.trace_timeline(broken).startswith("not analysed: ")
     assert bench.trace_line(bench.VariantResult(trace="not traced: x")) == "not traced: x"
+
+
+def test_host_self_time_against_the_baseline(bench: ModuleType, tmp_path: Path) -> None:
+    """``--trace``: each traced variant's host self time minus the baseline's, in total and by
+    the names that grew most, in its timeline and its trace line; untraced variants and a run
+    without a traced baseline get nothing."""
+    kernel = {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 0, "dur": 100}
+
+    def op(name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur}
+
+    ops = {
+        "baseline": [op("aten::mm", 0, 40)],
+        "reference": [op("aten::mm", 0, 40), op("_GroupCommit", 50, 30), op("aten::fill_", 55, 20)],
+    }
+    variants = {}
+    for name, events in ops.items():
+        path = tmp_path / f"m_{name}.pt.trace.json.gz"
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": [kernel, *events]}, f)
+        variants[name] = bench.VariantResult(trace=str(path), timeline=bench.trace_timeline(path))
+    variants["mcore"] = bench.VariantResult(status="not installed", trace="not traced: x")
+    bench.host_vs_baseline(variants)
+    host = variants["reference"].timeline["host_vs_baseline"]
+    assert host["total_s"] == pytest.approx(30e-6)
+    assert host["top"] == [
+        ["aten::fill_", pytest.approx(20e-6)],
+        ["_GroupCommit", pytest.approx(10e-6)],
+    ]
+    assert bench.trace_line(variants["reference"]).endswith(
+        "; host self time vs baseline +0.03 ms (aten::fill_ +0.02, _GroupCommit +0.01)"
+    )
+    assert "host_vs_baseline" not in variants["baseline"].timeline
+    assert bench.trace_line(variants["mcore"]) == "not traced: x"
+    del variants["baseline"]
+    variants["reference"].timeline.pop("host_vs_baseline")
+    bench.host_vs_baseline(variants)  # no traced baseline: nothing to compare with
+    assert "host_vs_baseline" not in variants["reference"].timeline

@@ -207,3 +207,55 @@ def test_reads_files(tmp_path: Path, name: str) -> None:
     from_file = analyse(path)
     assert isinstance(from_file, Timeline)
     assert from_file == analyse(str(path)) == analyse(step_trace())
+
+
+def host(name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op") -> dict[str, Any]:
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+
+def test_host_self_time_subtracts_what_is_nested() -> None:
+    """A commit [0,100] holding an empty [10,50] that holds a fill [12,48], then a copy [60,70]
+    holding a runtime call [61,65]; a range's Python between its ops is its self time; names
+    aggregate up to their first '|'; another thread's events nest only among themselves; a
+    child overhanging its parent counts only its part inside; device events are not host."""
+    from harness.timeline import host_self_times
+
+    events = [
+        host("_GroupCommit", 0, 100),
+        host("aten::empty", 10, 40),
+        host("aten::fill_", 12, 36),
+        host("aten::copy_", 60, 10),
+        host("cudaMemcpyAsync", 61, 4, cat="cuda_runtime"),
+        host("offload_harness.d2h|core_attn|mb=0|layer=0", 200, 30, cat="user_annotation"),
+        host("offload_harness.d2h|attn_proj|mb=0|layer=0", 240, 10, cat="user_annotation"),
+        host("aten::copy_", 205, 10),
+        host("aten::fill_", 0, 500, tid=2),  # another thread: not inside the commit
+        host("aten::mm", 290, 20),  # overhangs the next event's start? no: sibling
+        host("aten::add", 300, 50),  # starts inside mm [290,310]: 10 us of it nested there
+        device(COMPUTE, 0, 1000, 1),
+    ]
+    times = {k: round(v * 1e6, 3) for k, v in host_self_times({"traceEvents": events}).items()}
+    assert times == {
+        "_GroupCommit": 100 - 40 - 10,
+        "aten::empty": 40 - 36,
+        "aten::fill_": 36 + 500,
+        "aten::copy_": (10 - 4) + 10,
+        "cudaMemcpyAsync": 4,
+        "offload_harness.d2h": (30 - 10) + 10,
+        "aten::mm": 20 - 10,
+        "aten::add": 50,
+    }
+
+
+def test_host_increase_ranks_growth_only() -> None:
+    from harness.timeline import host_increase
+
+    base = {"aten::mm": 5.0, "aten::fill_": 1.0, "gone": 2.0}
+    other = {"aten::mm": 4.0, "aten::fill_": 24.0, "_GroupCommit": 2.5, "aten::copy_": 0.5}
+    assert host_increase(base, other) == [
+        ("aten::fill_", 23.0),
+        ("_GroupCommit", 2.5),
+        ("aten::copy_", 0.5),
+    ]
+    assert host_increase(base, other, top=1) == [("aten::fill_", 23.0)]
+    assert host_increase(other, other) == []
