@@ -334,3 +334,23 @@ def test_host_self_time_against_the_baseline(bench: ModuleType, tmp_path: Path) 
     variants["reference"].timeline.pop("host_vs_baseline")
     bench.host_vs_baseline(variants)  # no traced baseline: nothing to compare with
     assert "host_vs_baseline" not in variants["reference"].timeline
+
+
+def test_variants_run_without_the_deterministic_fill(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every variant runs with the deterministic mode's fill of new memory off (it filled each
+    new pinned buffer of the peers on the host); the flag is back afterwards."""
+    import torch.utils.deterministic as det
+
+    seen: list[bool] = []
+
+    def fake_run_variant(factory: object, *args: object, **kwargs: object) -> object:
+        seen.append(det.fill_uninitialized_memory)
+        return bench.VariantResult(step_s=0.01, step_s_all=[0.01], d2h_bytes=1, h2d_bytes=1)
+
+    monkeypatch.setattr(bench, "run_variant", fake_run_variant)
+    argv = ["--device", "cpu", "--models", "hybrid-tiny", "--rounds", "1", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert seen and not any(seen)
+    assert det.fill_uninitialized_memory is True

@@ -21,8 +21,9 @@ PoolKey = tuple[tuple[int, ...], torch.dtype]
 
 
 @contextlib.contextmanager
-def _unfilled() -> Iterator[None]:
-    """``torch.empty`` without the deterministic mode's fill of new memory meanwhile."""
+def no_deterministic_fill() -> Iterator[None]:
+    """New tensors meanwhile are not filled by the deterministic mode
+    (``torch.utils.deterministic.fill_uninitialized_memory``, restored afterwards)."""
     flag = torch.utils.deterministic.fill_uninitialized_memory
     torch.utils.deterministic.fill_uninitialized_memory = False
     try:
@@ -46,7 +47,7 @@ def staging_buffer(
     shape with routing, so the pool misses and allocates each step), on a launch-bound step
     where host time is step time. A staging buffer is overwritten by its D2H or H2D copy
     before any read, so the fill only costs."""
-    with _unfilled():
+    with no_deterministic_fill():
         return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
 
