@@ -46,7 +46,9 @@ def staging_buffer(
     host memset per traced ``moe-small`` step in the reference's commits (MoE groups change
     shape with routing, so the pool misses and allocates each step), on a launch-bound step
     where host time is step time. A staging buffer is overwritten by its D2H or H2D copy
-    before any read, so the fill only costs."""
+    before any read, so the fill only costs. (The reload targets on the device stay filled:
+    there a read racing ahead of the H2D copy could otherwise see the activation's own old
+    values in a reused block and pass.)"""
     with no_deterministic_fill():
         return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 

@@ -640,7 +640,10 @@ class OffloadContext:
 
     def _copy_in(self, group: _Group, entry: _HostCopy) -> torch.Tensor:
         buffer = entry.buffer
-        restored = staging_buffer(buffer.shape, buffer.dtype, self.device)
+        # Filled under deterministic mode (a device memset on the H2D stream, not host time): a
+        # read that races ahead of this copy then sees NaN, not whatever the block held before,
+        # which may be the activation's own old values (its block freed after the D2H).
+        restored = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device)
         self._h2d_copy(group, restored, buffer)
         if entry.view is not None:
             size, stride, offset = entry.view
