@@ -215,3 +215,18 @@ def test_memory_slack_admits_only_small_blocks_beyond_the_prediction() -> None:
     assert missed and "predicted 9216" in missed[0]
     strict = memory_problems(_memory(SEED_CASE, exact, {1: 1}))
     assert strict and "dropped by 9215 requested bytes, predicted 9216" in strict[0]
+
+
+def test_allocation_sites_are_recorded_only_during_the_memory_runs(monkeypatch) -> None:
+    """The allocator's history is on (state only, Python stacks of allocations) for the memory
+    runs and off again afterwards, also when a run raises."""
+    calls: list[dict] = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw))
+    device = torch.device("cuda", 0)
+    with execute._allocation_sites(device):
+        assert calls == [dict(enabled="state", context="alloc", stacks="python", device=device)]
+    assert calls[-1] == dict(enabled=None, device=device)
+    calls.clear()
+    with pytest.raises(RuntimeError), execute._allocation_sites(device):
+        raise RuntimeError("a run failed")
+    assert [c["enabled"] for c in calls] == ["state", None]
