@@ -27,7 +27,7 @@ from harness.compare import Divergence, first_divergence, first_tensor_differenc
 from harness.execute import Environment
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload, PassThroughGroup
-from harness.offload.protocol import Group, IterationLog, Offloader
+from harness.offload.protocol import Group, Offloader, Wrapper
 from harness.spec import ModelSpec, RunSpec
 from harness.train import TrainResult, train
 
@@ -35,36 +35,17 @@ Select = Callable[[str, int], bool]
 """``select(name, layer)``: whether a group occurrence goes to the backend."""
 
 
-class RoutedOffloader:
+class RoutedOffloader(Wrapper):
     """``inner`` for the groups ``select`` picks, a pass-through group for all others."""
 
     def __init__(self, inner: Offloader, select: Select) -> None:
-        self.inner = inner
+        super().__init__(inner, f"{inner.name}(routed)")
         self.select = select
-        self.name = f"{inner.name}(routed)"
-
-    def begin_microbatch(self, microbatch: int) -> None:
-        self.inner.begin_microbatch(microbatch)
 
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
         if self.select(name, layer):
             return self.inner.group(name, x, layer=layer)
         return PassThroughGroup(x)
-
-    def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
-        self.inner.mark_not_offloadable(*tensors)
-
-    def end_iteration(self) -> None:
-        self.inner.end_iteration()
-
-    def set_enabled(self, enabled: bool) -> None:
-        self.inner.set_enabled(enabled)
-
-    def iteration_logs(self) -> list[IterationLog]:
-        return self.inner.iteration_logs()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from harness.offload.protocol import Group, IterationLog, Offloader, Output
+from harness.offload.protocol import Group, IterationLog, Offloader, Output, Wrapper
 from harness.spec import ModelSpec, RunSpec
 from harness.train import RunHooks, train
 
@@ -258,14 +258,13 @@ class GuardedGroup:
         return out
 
 
-class GuardedOffloader:
+class GuardedOffloader(Wrapper):
     """Any backend, with its hot path inside ``guard``'s windows; otherwise unchanged."""
 
     def __init__(self, inner: Offloader, guard: SyncGuard) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._guard = guard
         self._microbatch: int | None = None
-        self.name = inner.name
 
     def _where(self, what: str) -> str:
         step = "?" if self._guard.step is None else self._guard.step
@@ -274,30 +273,21 @@ class GuardedOffloader:
     def begin_microbatch(self, microbatch: int) -> None:
         self._microbatch = microbatch
         with self._guard.window("begin_microbatch", self._where("begin_microbatch")):
-            self._inner.begin_microbatch(microbatch)
+            self.inner.begin_microbatch(microbatch)
 
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> GuardedGroup:
         label = self._where(f"group {name} (layer {layer})")
         with self._guard.window("start", f"{label}: start"):
-            inner = self._inner.group(name, x, layer=layer)
+            inner = self.inner.group(name, x, layer=layer)
         return GuardedGroup(inner, self._guard, label, x)
 
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
         with self._guard.window("mark_not_offloadable", self._where("mark_not_offloadable")):
-            self._inner.mark_not_offloadable(*tensors)
+            self.inner.mark_not_offloadable(*tensors)
 
     def end_iteration(self) -> None:
         with self._guard.window("end_iteration", self._where("end_iteration")):
-            self._inner.end_iteration()
-
-    def set_enabled(self, enabled: bool) -> None:
-        self._inner.set_enabled(enabled)
-
-    def iteration_logs(self) -> list[IterationLog]:
-        return self._inner.iteration_logs()
-
-    def close(self) -> None:
-        self._inner.close()
+            self.inner.end_iteration()
 
 
 @dataclass(kw_only=True)

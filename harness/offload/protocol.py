@@ -90,6 +90,37 @@ class Offloader(Protocol):
         ...
 
 
+class Wrapper:
+    """An ``Offloader`` around another one: every call goes to ``inner`` unchanged; a wrapper
+    (``harness.bisect.RoutedOffloader``, ``harness.syncguard.GuardedOffloader``) overrides the
+    calls it changes."""
+
+    def __init__(self, inner: Offloader, name: str | None = None) -> None:
+        self.inner = inner
+        self.name = inner.name if name is None else name
+
+    def begin_microbatch(self, microbatch: int) -> None:
+        self.inner.begin_microbatch(microbatch)
+
+    def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
+        return self.inner.group(name, x, layer=layer)
+
+    def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
+        self.inner.mark_not_offloadable(*tensors)
+
+    def end_iteration(self) -> None:
+        self.inner.end_iteration()
+
+    def set_enabled(self, enabled: bool) -> None:
+        self.inner.set_enabled(enabled)
+
+    def iteration_logs(self) -> list[IterationLog]:
+        return self.inner.iteration_logs()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GroupRecord:
     """What happened to one group occurrence in one iteration."""
