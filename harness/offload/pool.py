@@ -42,7 +42,7 @@ def staging_buffer(
     """An uninitialised buffer that a copy fills completely before anything reads it.
 
     Under ``torch.use_deterministic_algorithms(True)`` (the harness trains that way) PyTorch
-    fills every new ``torch.empty`` with NaN, on the host too: on the H200 that was 26 ms of
+    fills every new ``torch.empty`` with NaN, on the host too: on the H200 that was 22 ms of
     host memset per traced ``moe-small`` step in the reference's commits (MoE groups change
     shape with routing, so the pool misses and allocates each step), on a launch-bound step
     where host time is step time. A staging buffer is overwritten by its D2H or H2D copy
