@@ -33,24 +33,20 @@ def no_deterministic_fill() -> Iterator[None]:
 
 
 def staging_buffer(
-    shape: torch.Size | tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    *,
-    pin_memory: bool = False,
+    shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *, pin_memory: bool = False
 ) -> torch.Tensor:
-    """An uninitialised buffer that a copy fills completely before anything reads it.
+    """An uninitialised host buffer that its D2H copy fills completely before anything reads it.
 
     Under ``torch.use_deterministic_algorithms(True)`` (the harness trains that way) PyTorch
     fills every new ``torch.empty`` with NaN, on the host too: on the H200 that was 22 ms of
     host memset per traced ``moe-small`` step in the reference's commits (MoE groups change
     shape with routing, so the pool misses and allocates each step), on a launch-bound step
-    where host time is step time. A staging buffer is overwritten by its D2H or H2D copy
-    before any read, so the fill only costs. (The reload targets on the device stay filled:
+    where host time is step time. A staging buffer is overwritten by its D2H copy before any
+    read, so the fill only costs. (The reload targets on the device stay filled:
     there a read racing ahead of the H2D copy could otherwise see the activation's own old
     values in a reused block and pass.)"""
     with no_deterministic_fill():
-        return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin_memory)
 
 
 @dataclass(slots=True)
