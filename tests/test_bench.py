@@ -283,7 +283,8 @@ def test_trace_timeline_of_a_device_trace(bench: ModuleType, tmp_path: Path) -> 
     path = tmp_path / "m_reference.pt.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": [kernel, copy]}, f)
-    found = bench.trace_timeline(path)
+    found, host = bench.trace_timeline(path)
+    assert host == {}  # no host events in this trace
     assert found["busy_s"] == pytest.approx(100e-6) and found["d2h"]["hidden_s"] == (
         pytest.approx(50e-6)
     )
@@ -294,7 +295,8 @@ def test_trace_timeline_of_a_device_trace(bench: ModuleType, tmp_path: Path) -> 
     )
     broken = tmp_path / "broken.pt.trace.json.gz"
     broken.write_bytes(b"not gzip")
-    assert bench.trace_timeline(broken).startswith("not analysed: ")
+    assert bench.trace_timeline(broken)[0].startswith("not analysed: ")
+    assert bench.trace_timeline(broken)[1] is None
     assert bench.trace_line(bench.VariantResult(trace="not traced: x")) == "not traced: x"
 
 
@@ -311,14 +313,15 @@ def test_host_self_time_against_the_baseline(bench: ModuleType, tmp_path: Path) 
         "baseline": [op("aten::mm", 0, 40)],
         "reference": [op("aten::mm", 0, 40), op("_GroupCommit", 50, 30), op("aten::fill_", 55, 20)],
     }
-    variants = {}
+    variants, self_times = {}, {}
     for name, events in ops.items():
         path = tmp_path / f"m_{name}.pt.trace.json.gz"
         with gzip.open(path, "wt") as f:
             json.dump({"traceEvents": [kernel, *events]}, f)
-        variants[name] = bench.VariantResult(trace=str(path), timeline=bench.trace_timeline(path))
+        found, self_times[name] = bench.trace_timeline(path)
+        variants[name] = bench.VariantResult(trace=str(path), timeline=found)
     variants["mcore"] = bench.VariantResult(status="not installed", trace="not traced: x")
-    bench.host_vs_baseline(variants)
+    bench.host_vs_baseline(variants, self_times)
     host = variants["reference"].timeline["host_vs_baseline"]
     assert host["total_s"] == pytest.approx(30e-6)
     assert host["top"] == [
@@ -330,9 +333,9 @@ def test_host_self_time_against_the_baseline(bench: ModuleType, tmp_path: Path) 
     )
     assert "host_vs_baseline" not in variants["baseline"].timeline
     assert bench.trace_line(variants["mcore"]) == "not traced: x"
-    del variants["baseline"]
+    del variants["baseline"], self_times["baseline"]
     variants["reference"].timeline.pop("host_vs_baseline")
-    bench.host_vs_baseline(variants)  # no traced baseline: nothing to compare with
+    bench.host_vs_baseline(variants, self_times)  # no traced baseline: nothing to compare with
     assert "host_vs_baseline" not in variants["reference"].timeline
 
 
