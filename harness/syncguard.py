@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -78,6 +78,26 @@ def _install_trace() -> None:
         lambda event: _record_explicit(f"event synchronize (event {event:#x})")
     )
     _TRACE_INSTALLED = True
+
+
+class Windows(Protocol):
+    """What ``GuardedOffloader`` opens around each entry point of the backend it wraps."""
+
+    step: int | None
+    """The runner's current step (labels only)."""
+
+    def open(self, kind: str, where: str) -> bool:
+        """Open a window of ``kind`` (``commit``, ``pack``, ...) at ``where``; False if none
+        was opened (and then ``close`` is not called)."""
+        ...
+
+    def close(self) -> None:
+        """Close the innermost open window."""
+        ...
+
+    def window(self, kind: str, where: str) -> contextlib.AbstractContextManager[None]:
+        """``open``/``close`` around a block."""
+        ...
 
 
 class SyncGuard:
@@ -178,7 +198,7 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _guard_node(guard: SyncGuard, node: Any, where: str) -> None:
+def _guard_node(guard: Windows, node: Any, where: str) -> None:
     """Open a window for the backward of ``node`` (a backend's own autograd node)."""
     opened: list[bool] = []
 
@@ -206,7 +226,7 @@ def _new_node(before: torch.Tensor | None, after: torch.Tensor | None) -> Any:
 class GuardedGroup:
     """A backend's group with every entry point inside a window (see the module docstring)."""
 
-    def __init__(self, inner: Group, guard: SyncGuard, label: str, x: torch.Tensor) -> None:
+    def __init__(self, inner: Group, guard: Windows, label: str, x: torch.Tensor) -> None:
         self._inner = inner
         self._guard = guard
         self._label = label
@@ -259,9 +279,11 @@ class GuardedGroup:
 
 
 class GuardedOffloader(Wrapper):
-    """Any backend, with its hot path inside ``guard``'s windows; otherwise unchanged."""
+    """Any backend, with its hot path inside ``guard``'s windows; otherwise unchanged. ``guard``
+    is a ``SyncGuard`` or anything else with its windows (``harness.hostclock.HostClock``
+    times them)."""
 
-    def __init__(self, inner: Offloader, guard: SyncGuard) -> None:
+    def __init__(self, inner: Offloader, guard: Windows) -> None:
         super().__init__(inner)
         self._guard = guard
         self._microbatch: int | None = None

@@ -357,3 +357,31 @@ def test_variants_run_without_the_deterministic_fill(
     assert bench.main(argv) == 0
     assert seen and not any(seen)
     assert det.fill_uninitialized_memory is True
+
+
+def test_cpu_host_time(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--host-time N``: one clocked run per variant that ran, its per-step host time inside
+    the offloader by entry point in bench.json and one line each; the reference's commits,
+    packs and unpacks are there, the baseline's no-op never packs."""
+    argv = ["--device", "cpu", "--models", "hybrid-tiny", "--steps", "1", "--warmup", "1"]
+    argv += ["--rounds", "1", "--host-time", "2", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    (model,) = json.loads((tmp_path / "bench.json").read_text())["models"]
+    variants = model["variants"]
+    for name in ("baseline", "reference", "save_on_cpu"):
+        found = variants[name]["host_time"]
+        assert found["steps"] == [1, 2], found
+        assert 0 < found["total_s"] < found["host_step_s"]
+        assert f"host time hybrid-tiny/{name}: offloader host " in out
+    ref = variants["reference"]["host_time"]
+    assert {"commit", "pack", "unpack", "backward"} <= set(ref["seconds"])
+    assert ref["calls"]["pack"] == ref["calls"]["unpack"] > 0
+    assert "pack" not in variants["baseline"]["host_time"]["calls"]
+    assert "ms vs baseline" in next(
+        line for line in out.splitlines() if line.startswith("host time hybrid-tiny/reference")
+    )
+    if variants["mcore"]["status"] != "ok":
+        assert variants["mcore"]["host_time"].startswith("not clocked")

@@ -1,0 +1,188 @@
+"""Host time an offloader spends in its own entry points, per kind, without a profiler.
+
+On a launch-bound step (the host issues kernels slower than the device runs them) every
+microsecond an offloader's Python spends on the host is a microsecond of step time, while a
+profiler inflates exactly that host time and so hides it (on the H200 a traced ``hybrid-small``
+step took 126 ms against 46 ms untraced, and there the reference's extra time vanished). This
+clock measures it the cheap way: ``harness.syncguard.GuardedOffloader`` opens a window around
+every entry point of the backend it wraps (group start, enter, the pack/unpack hooks, exit,
+commit, the backward of the autograd nodes the backend adds, begin_microbatch,
+end_iteration), and ``HostClock`` adds ``time.perf_counter_ns`` from the outermost window's
+open to its close to that window's kind. A nested window (none of the harness's backends opens
+one) counts in the outermost only.
+
+What the clock does not see: host work a backend does outside its entry points (it has none
+by the protocol), and the wrapper's own cost (a closure call and a context manager per window,
+about a microsecond, outside the timed span for the first and inside it for the second). Use
+it in a run of its own (``scripts/bench --host-time`` does), not inside a timed step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.offload.protocol import Offloader
+from harness.spec import ModelSpec, RunSpec
+from harness.syncguard import GuardedOffloader
+from harness.train import RunHooks, train
+
+KINDS = (
+    "begin_microbatch",
+    "start",
+    "enter",
+    "pack",
+    "exit",
+    "commit",
+    "unpack",
+    "backward",
+    "mark_not_offloadable",
+    "end_iteration",
+)
+"""The window kinds ``GuardedOffloader`` opens, in the order a step meets them."""
+
+
+class HostClock:
+    """``harness.syncguard.Windows`` that time themselves; inert unless ``armed``."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.armed = False
+        self.ns: dict[int, Counter[str]] = {}
+        """Per armed step, nanoseconds per outermost window kind."""
+        self.calls: dict[int, Counter[str]] = {}
+        """Per armed step, windows opened per kind (nested ones included)."""
+        self.host_step_ns: dict[int, int] = {}
+        """Per armed step, the host's wall time from the step's start to its end (the runner's
+        own work and waits included: the scale the windows' time is read against)."""
+        self._stack: list[str] = []
+        self._opened_at = 0
+
+    def open(self, kind: str, where: str) -> bool:
+        if not self.armed or self.step is None:
+            return False
+        if not self._stack:
+            self._opened_at = time.perf_counter_ns()
+        self._stack.append(kind)
+        self.calls.setdefault(self.step, Counter())[kind] += 1
+        return True
+
+    def close(self) -> None:
+        kind = self._stack.pop()
+        if not self._stack and self.step is not None:
+            elapsed = time.perf_counter_ns() - self._opened_at
+            self.ns.setdefault(self.step, Counter())[kind] += elapsed
+
+    @contextlib.contextmanager
+    def window(self, kind: str, where: str) -> Iterator[None]:
+        if not self.open(kind, where):
+            yield
+            return
+        try:
+            yield
+        finally:
+            self.close()
+
+    def reset(self) -> None:
+        """Forget open windows (after an exception or a step whose backward hooks never
+        closed theirs)."""
+        self._stack.clear()
+
+    def steps_hooks(
+        self, steps: set[int]
+    ) -> Callable[[int], contextlib.AbstractContextManager[object]]:
+        """A ``RunHooks.step_context`` that arms the clock for ``steps`` and times each of
+        those steps on the host."""
+
+        @contextlib.contextmanager
+        def context(step: int) -> Iterator[None]:
+            self.step, self.armed = step, step in steps
+            began = time.perf_counter_ns()
+            try:
+                yield
+            finally:
+                if self.armed:
+                    self.host_step_ns[step] = time.perf_counter_ns() - began
+                self.armed = False
+                self.reset()
+
+        return context
+
+
+@dataclass(kw_only=True)
+class HostTime:
+    """What a clocked run showed: per kind, the median over the clocked steps of the host
+    seconds spent in the offloader's windows of that kind."""
+
+    steps: tuple[int, ...]
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Median seconds per step per window kind (kinds never opened are absent)."""
+    calls: dict[str, float] = field(default_factory=dict)
+    """Median windows per step per kind."""
+    total_s: float = 0.0
+    """Median over the steps of each step's summed window time (not the sum of the kinds'
+    medians)."""
+    host_step_s: float = 0.0
+    """Median host wall time of the clocked steps."""
+
+    def summary(self) -> str:
+        """One line: the total and the kinds, largest first, with calls per step."""
+        parts = ", ".join(
+            f"{kind} {self.seconds[kind] * 1e3:.2f} ({self.calls.get(kind, 0):g})"
+            for kind in sorted(self.seconds, key=self.seconds.__getitem__, reverse=True)
+        )
+        return (
+            f"offloader host {self.total_s * 1e3:.2f} ms of a {self.host_step_s * 1e3:.2f} ms "
+            f"host step ({parts or 'no window opened'}; ms per step, windows per step)"
+        )
+
+
+def read_clock(clock: HostClock) -> HostTime:
+    """The per-step medians of what ``clock`` recorded."""
+    steps = tuple(sorted(clock.host_step_ns))
+    kinds = sorted({k for c in clock.calls.values() for k in c})
+    return HostTime(
+        steps=steps,
+        seconds={
+            k: statistics.median(clock.ns.get(s, Counter())[k] for s in steps) / 1e9 for k in kinds
+        },
+        calls={
+            k: statistics.median(clock.calls.get(s, Counter())[k] for s in steps) for k in kinds
+        },
+        total_s=statistics.median(sum(clock.ns.get(s, Counter()).values()) for s in steps) / 1e9
+        if steps
+        else 0.0,
+        host_step_s=statistics.median(clock.host_step_ns[s] for s in steps) / 1e9 if steps else 0.0,
+    )
+
+
+def run_clocked(
+    spec: ModelSpec,
+    run: RunSpec,
+    offloader: Offloader,
+    device: torch.device | str,
+    *,
+    clocked: set[int],
+) -> HostTime:
+    """Train ``run`` with ``offloader``'s entry points timed in the ``clocked`` steps (leave the
+    first steps unclocked: the offloader's warmup iteration allocates its buffers there)."""
+    if not clocked or max(clocked) >= run.steps or min(clocked) < 0:
+        raise ValueError(f"clocked steps {sorted(clocked)} are not steps of a {run.steps}-step run")
+    clock = HostClock()
+    try:
+        train(
+            spec,
+            run,
+            GuardedOffloader(offloader, clock),
+            device,
+            hooks=RunHooks(step_context=clock.steps_hooks(clocked)),
+        )
+    finally:
+        clock.reset()
+    return read_clock(clock)

@@ -1,0 +1,108 @@
+"""``harness.hostclock``: the host time inside an offloader's entry points, on CPU (the windows
+are the sync guard's, so the same coverage holds on CUDA)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from harness.hostclock import KINDS, HostClock, read_clock, run_clocked
+from harness.offload.config import OffloadConfig
+from harness.offload.protocol import Group, Offloader, Output, Wrapper
+from harness.offload.reference import OffloadContext
+from harness.spec import RunSpec, preset
+
+CPU = torch.device("cpu")
+SPEC = preset("hybrid-tiny")
+CONFIG = OffloadConfig(offload_modules=("core_attn", "attn_proj"), min_offloaded_tensor_size=1024)
+RUN = RunSpec(steps=3, microbatches=2, schedule="sequential", precision="fp32")
+SLEEP_S = 0.004
+
+
+class _SlowGroup:
+    """A group whose commit sleeps ``SLEEP_S`` on the host before the real one."""
+
+    def __init__(self, inner: Group) -> None:
+        self._inner = inner
+        self.input = inner.input
+
+    def __enter__(self) -> _SlowGroup:
+        self._inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._inner.__exit__(*exc)  # type: ignore[arg-type]
+
+    def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
+        time.sleep(SLEEP_S)
+        return self._inner.commit(output, release)
+
+
+class _SlowCommits(Wrapper):
+    """The reference, with a host stall in every commit of a selected group."""
+
+    def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
+        inner = self.inner.group(name, x, layer=layer)
+        return _SlowGroup(inner) if name in CONFIG.selected else inner
+
+
+def _reference() -> Offloader:
+    return OffloadContext(CONFIG, CPU)
+
+
+def test_every_entry_point_of_the_reference_is_clocked() -> None:
+    found = run_clocked(SPEC, RUN, _reference(), CPU, clocked={1, 2})
+    assert found.steps == (1, 2)
+    # The windows that a step of the reference must open, with counts the model fixes: a group
+    # start, enter, exit and commit per group the model opens, a pack per saved tensor and
+    # one unpack for each, the backward of its two autograd nodes per selected group.
+    for kind in ("begin_microbatch", "start", "enter", "pack", "exit", "commit", "unpack"):
+        assert found.calls[kind] > 0 and found.seconds[kind] > 0, kind
+    assert found.calls["begin_microbatch"] == RUN.microbatches
+    assert found.calls["end_iteration"] == 1
+    assert found.calls["start"] == found.calls["enter"] == found.calls["exit"]
+    assert found.calls["pack"] == found.calls["unpack"]
+    selected = len(SPEC.group_sequence(CONFIG.selected))
+    assert found.calls["backward"] == 2 * selected * RUN.microbatches
+    assert set(found.seconds) <= set(KINDS)
+    assert 0 < found.total_s < found.host_step_s
+
+
+def test_a_host_stall_lands_in_its_entry_point() -> None:
+    """A commit that sleeps 4 ms shows up as at least that much commit time per commit."""
+    plain = run_clocked(SPEC, RUN, _reference(), CPU, clocked={1, 2})
+    slow = run_clocked(SPEC, RUN, _SlowCommits(_reference()), CPU, clocked={1, 2})
+    commits = slow.calls["commit"]
+    assert commits == plain.calls["commit"] > 0
+    stalled = len(SPEC.group_sequence(CONFIG.selected)) * RUN.microbatches
+    assert slow.seconds["commit"] >= stalled * SLEEP_S
+    assert slow.seconds["commit"] - plain.seconds["commit"] >= 0.9 * stalled * SLEEP_S
+    assert "commit" in slow.summary().split("(")[1].split(",")[0]  # largest kind first
+
+
+def test_disarmed_clock_records_nothing() -> None:
+    clock = HostClock()
+    with clock.window("commit", "x"):
+        pass
+    assert not clock.ns and not clock.calls
+    assert read_clock(clock).total_s == 0.0
+
+
+def test_nested_windows_count_in_the_outermost() -> None:
+    clock = HostClock()
+    clock.step, clock.armed = 0, True
+    clock.host_step_ns[0] = 1
+    with clock.window("backward", "outer"):
+        with clock.window("unpack", "inner"):
+            time.sleep(0.001)
+    assert clock.calls[0] == {"backward": 1, "unpack": 1}
+    assert set(clock.ns[0]) == {"backward"} and clock.ns[0]["backward"] >= 1_000_000
+
+
+@pytest.mark.parametrize("clocked", [set(), {3}, {-1}])
+def test_bad_clocked_steps_are_one_line(clocked: set[int]) -> None:
+    with pytest.raises(ValueError, match="not steps of a 3-step run"):
+        run_clocked(SPEC, RUN, _reference(), CPU, clocked=clocked)
