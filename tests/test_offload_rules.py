@@ -186,6 +186,30 @@ def _activation(off: OffloadContext) -> torch.Tensor:
     return normal((BATCH, WIDTH), seed=10)
 
 
+def test_marks_follow_a_parameter_whose_storage_moves() -> None:
+    """Marking the same parameter again each forward is a no-op while its storage stays put;
+    once its storage moves (FSDP2 re-allocating an unsharded parameter) the next mark covers the
+    new address and the old address stops counting (an activation may live there now)."""
+    off = make_offloader()
+    parameter = torch.nn.Parameter(normal((2 * MIN_NUMEL,), seed=1))
+    off.mark_not_offloadable(parameter)
+    off.mark_not_offloadable(parameter)
+    assert off._is_marked(parameter.detach())
+    old = parameter.detach()
+    parameter.data = normal((2 * MIN_NUMEL,), seed=2)  # same object, new storage
+    assert not off._is_marked(old)  # the old address: the stale mark is dropped
+    off.mark_not_offloadable(parameter)
+    assert off._is_marked(parameter.detach())
+    # The parameter goes back to a storage at an address whose mark was dropped meanwhile (as
+    # FSDP2's re-allocation may hand out the same address): the next mark must not be skipped.
+    moved = parameter.detach()
+    parameter.data = normal((2 * MIN_NUMEL,), seed=3)
+    assert not off._is_marked(moved)  # drops the mark at moved's address
+    parameter.data = moved
+    off.mark_not_offloadable(parameter)
+    assert off._is_marked(parameter.detach()), "a parameter whose mark was dropped stayed unmarked"
+
+
 def test_forced_release_frees_eligible_tensor_of_offloaded_group() -> None:
     off = make_offloader()
     result = release_in_one_group(off, _activation, saved=lambda q: (q,))

@@ -266,6 +266,7 @@ class OffloadContext:
         self._device_refs: dict[int, int] = {}  # storage address -> saved tensors on device
         self._pending_d2h: dict[str, deque[torch.cuda.Event | None]] = {}
         self._marked: dict[tuple[str, int], torch.Tensor] = {}
+        self._marked_objects: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (tensor, address)
         self._logs: list[IterationLog] = []
 
     # ----------------------------------------------------------------- protocol: runner side
@@ -324,6 +325,12 @@ class OffloadContext:
 
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
         for tensor in tensors:
+            # Models mark every parameter on every forward: one already marked at its current
+            # address needs nothing more (an FSDP2 parameter whose storage moved is marked anew).
+            known = self._marked_objects.get(id(tensor))
+            if known is not None and known[0] is tensor and known[1] == tensor.data_ptr():
+                continue
+            self._marked_objects[id(tensor)] = (tensor, tensor.data_ptr())
             with contextlib.suppress(AttributeError, RuntimeError):
                 tensor._do_not_offload = True  # type: ignore[attr-defined]
             # Saved-tensor hooks often see a fresh alias (a detached view of a parameter), not
@@ -381,6 +388,7 @@ class OffloadContext:
         self.pool.clear()
         self._chunks.clear()
         self._marked.clear()
+        self._marked_objects.clear()
 
     # ------------------------------------------------------------------------- forward side
     def _expect_group(self, chunk: _Chunk, name: str, layer: int) -> _Group | None:
@@ -445,6 +453,7 @@ class OffloadContext:
         if storage.data_ptr() == key[1] and storage.nbytes():
             return True
         del self._marked[key]
+        self._marked_objects.pop(id(marked), None)  # its next mark_not_offloadable marks anew
         return False
 
     def _commit_forward(self, group: _Group, release: tuple[torch.Tensor, ...]) -> None:
