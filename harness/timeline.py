@@ -30,6 +30,13 @@ Method
         once in time order with running sums, so each copy's overlap is two binary searches
         (busy time up to its end minus busy time up to its start), not a scan of the stream.
 
+Phases (``phase_busy``)
+    the compute stream's busy time for the work launched inside named host ranges (the
+    bench's ``bench.forward|mb=N`` and ``bench.backward|mb=N``): each launch call that starts
+    inside such a range, on any thread, brings its correlated compute-stream events. That is
+    the device compute a phase has to hide its copies behind, whatever its wall time: a
+    launch-bound step's phases last longer than their compute.
+
 Host side (``host_self_times``, ``host_increase``)
     the *self time* of every host event (cat ``cpu_op``, ``user_annotation``,
     ``python_function``, ``cuda_runtime``, ``cuda_driver``): its duration less the time of
@@ -64,6 +71,8 @@ from harness.transfers import (
 )
 
 DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+RANGE_CATS = frozenset({"user_annotation"})
+"""Host ranges (``torch.profiler.record_function``)."""
 HOST_CATS = frozenset(
     {"cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver"}
 )
@@ -156,10 +165,8 @@ def analyse(
     device = [e for e in events if e.cat in DEVICE_CATS]
     if not device:
         return None
-    by_stream: dict[tuple[Any, Any], list[_Event]] = defaultdict(list)
-    for event in device:
-        by_stream[event.thread].append(event)
-    compute = max(by_stream, key=lambda s: _kernel_ns(by_stream[s]))
+    by_stream = _by_stream(device)
+    compute = _compute_stream(by_stream)
     stream = sorted(by_stream[compute], key=lambda e: e.start)
     launches = {
         e.args["correlation"]: e
@@ -181,6 +188,55 @@ def analyse(
         d2h=copies["DtoH"],
         h2d=copies["HtoD"],
     )
+
+
+def phase_busy(
+    trace: str | os.PathLike[str] | Mapping[str, Any], prefixes: Sequence[str]
+) -> dict[str, float] | None:
+    """Per prefix, the compute stream's busy seconds for the device work launched inside the
+    host ranges whose names start with it (``bench.forward``: every microbatch's forward):
+    a launch call (cat ``cuda_runtime``/``cuda_driver``, any thread: the autograd engine
+    launches a backward's kernels from its own thread) that starts within such a range's span
+    counts its correlated events on the compute stream. None without device events."""
+    events = list(_events(load_trace(trace)))
+    device = [e for e in events if e.cat in DEVICE_CATS]
+    if not device:
+        return None
+    by_stream = _by_stream(device)
+    on_compute = {
+        e.args["correlation"]: e
+        for e in by_stream[_compute_stream(by_stream)]
+        if "correlation" in e.args
+    }
+    launches = sorted(
+        (e for e in events if e.cat in _LAUNCH_CATS and "correlation" in e.args),
+        key=lambda e: e.start,
+    )
+    starts = [e.start for e in launches]
+    out: dict[str, float] = {}
+    for prefix in prefixes:
+        work: list[_Event] = []
+        for span in (e for e in events if e.cat in RANGE_CATS and e.name.startswith(prefix)):
+            first = bisect.bisect_left(starts, span.start)
+            last = bisect.bisect_right(starts, span.end)
+            for launch in launches[first:last]:
+                event = on_compute.get(launch.args["correlation"])
+                if event is not None:
+                    work.append(event)
+        out[prefix] = _seconds(_BusyTime(work).total)
+    return out
+
+
+def _by_stream(device: Iterable[_Event]) -> dict[tuple[Any, Any], list[_Event]]:
+    by_stream: dict[tuple[Any, Any], list[_Event]] = defaultdict(list)
+    for event in device:
+        by_stream[event.thread].append(event)
+    return by_stream
+
+
+def _compute_stream(by_stream: Mapping[tuple[Any, Any], Sequence[_Event]]) -> tuple[Any, Any]:
+    """The stream with the most kernel time."""
+    return max(by_stream, key=lambda s: _kernel_ns(by_stream[s]))
 
 
 def _seconds(ns: int) -> float:

@@ -8,6 +8,7 @@ import gzip
 import json
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -385,3 +386,74 @@ def test_cpu_host_time(
     )
     if variants["mcore"]["status"] != "ok":
         assert variants["mcore"]["host_time"].startswith("not clocked")
+
+
+def _entry(bench: ModuleType, base_ms: float, ref_ms: float) -> dict[str, Any]:
+    """A one-model entry with a baseline and a reference of one round each."""
+    base = bench.VariantResult(step_s=base_ms / 1e3, round_step_s=[base_ms / 1e3])
+    ref = bench.VariantResult(
+        step_s=ref_ms / 1e3, round_step_s=[ref_ms / 1e3], d2h_bytes=1, h2d_bytes=1
+    )
+    ref.round_ratio = [ref_ms / base_ms]
+    missing = bench.VariantResult(status="not installed")
+    return {
+        "variants": {"baseline": base, "reference": ref, "mcore": missing, "save_on_cpu": missing},
+        "raw_d2h_s": 0.016,
+        "raw_h2d_s": 0.016,
+        "raw_copy_s": 0.032,
+    }
+
+
+HIDEABLE = "reference step <= 1.03x baseline (hideable)"
+
+
+@pytest.mark.parametrize(
+    ("forward_ms", "backward_ms", "verdict", "says"),
+    [
+        (20.0, 20.0, "SHORT", "1.200x"),  # compute hides both directions: the target applies
+        (16.0, 16.0, "SHORT", "1.200x"),  # exactly as long: still hidden
+        (
+            13.0,
+            20.0,
+            "n/a",
+            "not hideable: D2H copies at the raw rate 16.0 ms > forward compute 13.0 ms; not "
+            "copy-bound either (copies at the raw rate 32.0 ms < baseline step 45.0 ms): the "
+            "step is host-bound; reference 1.200x",
+        ),
+        (20.0, 10.0, "n/a", "H2D copies at the raw rate 16.0 ms > backward compute 10.0 ms"),
+    ],
+)
+def test_hideable_needs_the_compute_to_hide_each_direction(
+    bench: ModuleType, forward_ms: float, backward_ms: float, verdict: str, says: str
+) -> None:
+    """The 1.03x target applies when the baseline's forward compute covers the D2H copies at
+    the raw rate and its backward compute the H2D copies; otherwise a model that is not
+    copy-bound is host-bound and the line says so, with the ratio, as n/a."""
+    entry = _entry(bench, 45.0, 54.0)
+    entry["baseline_compute"] = {
+        "step_s": (forward_ms + backward_ms + 5) / 1e3,
+        "forward_s": forward_ms / 1e3,
+        "backward_s": backward_ms / 1e3,
+    }
+    found = {t.target: t for t in bench.targets("m", entry)}[HIDEABLE]
+    assert found.verdict == verdict and says in found.measured, found
+    line = next(
+        x for x in bench.render_compute(entry) if x.startswith("device compute of a traced")
+    )
+    assert f"forwards {forward_ms:.2f}" in line and "D2H 16.00, H2D 16.00" in line
+
+
+def test_copy_bound_and_unmeasured_compute_keep_their_rules(bench: ModuleType) -> None:
+    """Copies longer than the baseline step: copy-bound, whatever the compute; no compute
+    figure (a failed trace, CPU): the step rule alone decides."""
+    entry = _entry(bench, 30.0, 36.0)  # 32 ms of copies > 30 ms step
+    entry["baseline_compute"] = {"step_s": 0.05, "forward_s": 0.025, "backward_s": 0.025}
+    found = {t.target: t for t in bench.targets("m", entry)}
+    assert found[HIDEABLE].verdict == "n/a" and found[HIDEABLE].measured.startswith("copy-bound")
+    entry = _entry(bench, 45.0, 46.0)
+    entry["baseline_compute"] = "failed: RuntimeError: no trace"
+    found = {t.target: t for t in bench.targets("m", entry)}
+    assert (found[HIDEABLE].verdict, found[HIDEABLE].measured) == ("PASS", "1.022x")
+    assert bench.render_compute(entry) == [
+        "device compute of the baseline: failed: RuntimeError: no trace"
+    ]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from harness.timeline import Copies, Timeline, analyse
+from harness.timeline import Copies, Timeline, analyse, phase_busy
 
 MIB = 2**20
 COMPUTE, D2H_STREAM, H2D_STREAM = 7, 20, 21
@@ -259,3 +259,48 @@ def test_host_increase_ranks_growth_only() -> None:
     ]
     assert host_increase(base, other, top=1) == [("aten::fill_", 23.0)]
     assert host_increase(other, other) == []
+
+
+def annotation(name: str, ts: float, dur: float, tid: int = 1) -> dict[str, Any]:
+    return {
+        "ph": "X",
+        "cat": "user_annotation",
+        "name": name,
+        "pid": 1,
+        "tid": tid,
+        "ts": ts,
+        "dur": dur,
+    }
+
+
+def test_phase_busy_by_hand() -> None:
+    """On ``step_trace``'s compute stream: a forward range [85,110] holds the launches of
+    kernels 1, 2 (at 90, 96) and the memset 4 (at 100); a backward range [120,135] on the main
+    thread holds the launch of kernel 3 made by another thread (at 125); kernel 5 has no launch.
+    Forward busy 10 + 8 + 5 = 23 us, backward 20 us, a phase without ranges 0; the copy launched
+    inside the forward (correlation 6) is on another stream and not compute."""
+    trace = step_trace()
+    trace["traceEvents"] += [
+        annotation("bench.forward|mb=0", 85, 25),
+        annotation("bench.backward|mb=0", 120, 15),
+        launch(6, 108, 1),
+    ]
+    trace["traceEvents"][11]["tid"] = 2  # kernel 3's launch: the autograd engine's thread
+    busy = phase_busy(trace, ["bench.forward", "bench.backward", "bench.optimizer"])
+    assert busy == pytest.approx(
+        {"bench.forward": 23e-6, "bench.backward": 20e-6, "bench.optimizer": 0.0}
+    )
+
+
+def test_phase_busy_counts_overlapping_work_once() -> None:
+    """Two forward ranges whose launches share one event (correlation) count it once."""
+    trace = step_trace()
+    trace["traceEvents"] += [
+        annotation("bench.forward|mb=0", 85, 10),  # launch 1 (90)
+        annotation("bench.forward|mb=1", 89, 12),  # launches 1, 2, 4 again
+    ]
+    assert phase_busy(trace, ["bench.forward"]) == pytest.approx({"bench.forward": 23e-6})
+
+
+def test_phase_busy_without_device_events_is_none() -> None:
+    assert phase_busy({"traceEvents": [annotation("bench.forward|mb=0", 0, 5)]}, ["x"]) is None
