@@ -48,10 +48,39 @@ KINDS = (
 """The window kinds ``GuardedOffloader`` opens, in the order a step meets them."""
 
 
-class HostClock:
-    """``harness.syncguard.Windows`` that time themselves; inert unless ``armed``."""
+ALLOCATOR_COUNTERS = {
+    "cudaMalloc": ("device", "num_device_alloc"),
+    "cudaFree": ("device", "num_device_free"),
+    "alloc retries": ("device", "num_alloc_retries"),
+    "syncs of all streams": ("device", "num_sync_all_streams"),
+    "pinned allocs": ("host", "num_host_alloc"),
+    "pinned frees": ("host", "num_host_free"),
+}
+"""Counters of PyTorch's caching allocators that say an allocation left the cache: the device
+allocator's ``cudaMalloc``/``cudaFree`` calls, the retries after a failed one (which free cached
+blocks, synchronising) and its syncs of all streams; the pinned host allocator's new blocks and
+returned ones (``cudaHostAlloc``/``cudaFreeHost``, both synchronising). In a steady step every one
+of them should be 0: a non-zero count is a pool miss, and where it synchronises, a stall."""
 
-    def __init__(self) -> None:
+
+def _allocator_counts() -> dict[str, int]:
+    device = torch.cuda.memory_stats()
+    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    found = {"device": device, "host": host}
+    return {
+        label: int(found[which].get(key, 0)) for label, (which, key) in ALLOCATOR_COUNTERS.items()
+    }
+
+
+class HostClock:
+    """``harness.syncguard.Windows`` that time themselves; inert unless ``armed``. With
+    ``cuda``, each armed step also counts the caching allocators' misses
+    (``ALLOCATOR_COUNTERS``)."""
+
+    def __init__(self, *, cuda: bool = False) -> None:
+        self.cuda = cuda
+        self.allocator: dict[int, dict[str, int]] = {}
+        """Per armed step (CUDA), the allocator counters' increase over the step."""
         self.step: int | None = None
         self.armed = False
         self.ns: dict[int, Counter[str]] = {}
@@ -103,12 +132,16 @@ class HostClock:
         @contextlib.contextmanager
         def context(step: int) -> Iterator[None]:
             self.step, self.armed = step, step in steps
+            counted = _allocator_counts() if self.cuda and self.armed else None
             began = time.perf_counter_ns()
             try:
                 yield
             finally:
                 if self.armed:
                     self.host_step_ns[step] = time.perf_counter_ns() - began
+                if counted is not None:
+                    now = _allocator_counts()
+                    self.allocator[step] = {k: now[k] - counted[k] for k in now}
                 self.armed = False
                 self.reset()
 
@@ -130,6 +163,8 @@ class HostTime:
     medians)."""
     host_step_s: float = 0.0
     """Median host wall time of the clocked steps."""
+    allocator: dict[str, float] = field(default_factory=dict)
+    """CUDA: median per step of each ``ALLOCATOR_COUNTERS`` increase (empty on CPU)."""
 
     def summary(self) -> str:
         """One line: the total and the kinds, largest first, with calls per step."""
@@ -137,10 +172,14 @@ class HostTime:
             f"{kind} {self.seconds[kind] * 1e3:.2f} ({self.calls.get(kind, 0):g})"
             for kind in sorted(self.seconds, key=self.seconds.__getitem__, reverse=True)
         )
-        return (
+        line = (
             f"offloader host {self.total_s * 1e3:.2f} ms of a {self.host_step_s * 1e3:.2f} ms "
             f"host step ({parts or 'no window opened'}; ms per step, windows per step)"
         )
+        if self.allocator:
+            misses = ", ".join(f"{k} {v:g}" for k, v in self.allocator.items() if v)
+            line += f"; allocator per step: {misses or 'no miss'}"
+        return line
 
 
 def read_clock(clock: HostClock) -> HostTime:
@@ -159,6 +198,12 @@ def read_clock(clock: HostClock) -> HostTime:
         if steps
         else 0.0,
         host_step_s=statistics.median(clock.host_step_ns[s] for s in steps) / 1e9 if steps else 0.0,
+        allocator={
+            k: statistics.median(clock.allocator[s][k] for s in clock.allocator)
+            for k in ALLOCATOR_COUNTERS
+        }
+        if clock.allocator
+        else {},
     )
 
 
@@ -174,7 +219,7 @@ def run_clocked(
     first steps unclocked: the offloader's warmup iteration allocates its buffers there)."""
     if not clocked or max(clocked) >= run.steps or min(clocked) < 0:
         raise ValueError(f"clocked steps {sorted(clocked)} are not steps of a {run.steps}-step run")
-    clock = HostClock()
+    clock = HostClock(cuda=torch.device(device).type == "cuda")
     try:
         train(
             spec,

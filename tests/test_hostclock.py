@@ -9,7 +9,14 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from harness.hostclock import KINDS, HostClock, read_clock, run_clocked
+from harness.hostclock import (
+    ALLOCATOR_COUNTERS,
+    KINDS,
+    HostClock,
+    HostTime,
+    read_clock,
+    run_clocked,
+)
 from harness.offload.config import OffloadConfig
 from harness.offload.protocol import Group, Offloader, Output, Wrapper
 from harness.offload.reference import OffloadContext
@@ -106,3 +113,36 @@ def test_nested_windows_count_in_the_outermost() -> None:
 def test_bad_clocked_steps_are_one_line(clocked: set[int]) -> None:
     with pytest.raises(ValueError, match="not steps of a 3-step run"):
         run_clocked(SPEC, RUN, _reference(), CPU, clocked=clocked)
+
+
+def test_summary_names_allocator_misses() -> None:
+    found = HostTime(steps=(1,), seconds={"commit": 0.002}, calls={"commit": 8}, total_s=0.002)
+    found.host_step_s = 0.04
+    assert "allocator" not in found.summary()  # CPU: not counted
+    found.allocator = dict.fromkeys(ALLOCATOR_COUNTERS, 0)
+    assert found.summary().endswith("; allocator per step: no miss")
+    found.allocator["pinned allocs"] = 3
+    assert found.summary().endswith("; allocator per step: pinned allocs 3")
+
+
+@pytest.mark.gpu
+def test_cuda_counts_a_pinned_allocation_per_step() -> None:
+    """On CUDA every clocked step counts the allocators' misses: the reference's steady steps
+    have none on a small model, and a pinned allocation of a new size per step is one."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    spec = preset("hybrid-tiny")
+    steady = run_clocked(spec, RUN, OffloadContext(CONFIG, device), device, clocked={1, 2})
+    assert set(steady.allocator) == set(ALLOCATOR_COUNTERS)
+    assert steady.allocator["pinned allocs"] == 0 and steady.allocator["cudaMalloc"] == 0
+    sizes = iter(range(1, 10))
+
+    class _PinsEveryStep(Wrapper):
+        def end_iteration(self) -> None:
+            # a new power-of-two size class each step: the pinned cache never has one
+            torch.empty(2 ** (20 + next(sizes)), dtype=torch.uint8, pin_memory=True)
+            self.inner.end_iteration()
+
+    missing = run_clocked(
+        spec, RUN, _PinsEveryStep(OffloadContext(CONFIG, device)), device, clocked={1, 2}
+    )
+    assert missing.allocator["pinned allocs"] >= 1, missing.allocator
