@@ -20,6 +20,7 @@ it in a run of its own (``scripts/bench --host-time`` does), not inside a timed 
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
 from collections import Counter
@@ -81,6 +82,12 @@ class HostClock:
         self.cuda = cuda
         self.allocator: dict[int, dict[str, int]] = {}
         """Per armed step (CUDA), the allocator counters' increase over the step."""
+        self.gc_ns: dict[int, int] = {}
+        """Per armed step, nanoseconds the host spent in Python's garbage collector (inside the
+        windows or not: a collection runs wherever an allocation trips it)."""
+        self.gc_runs: dict[int, Counter[int]] = {}
+        """Per armed step, collections per generation."""
+        self._gc_began = 0
         self.step: int | None = None
         self.armed = False
         self.ns: dict[int, Counter[str]] = {}
@@ -123,6 +130,17 @@ class HostClock:
         closed theirs)."""
         self._stack.clear()
 
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if not self.armed or self.step is None:
+            return
+        if phase == "start":
+            self._gc_began = time.perf_counter_ns()
+        elif self._gc_began:
+            elapsed = time.perf_counter_ns() - self._gc_began
+            self.gc_ns[self.step] = self.gc_ns.get(self.step, 0) + elapsed
+            self.gc_runs.setdefault(self.step, Counter())[info["generation"]] += 1
+            self._gc_began = 0
+
     def steps_hooks(
         self, steps: set[int]
     ) -> Callable[[int], contextlib.AbstractContextManager[object]]:
@@ -163,6 +181,10 @@ class HostTime:
     medians)."""
     host_step_s: float = 0.0
     """Median host wall time of the clocked steps."""
+    gc_s: float = 0.0
+    """Median seconds per step in Python's garbage collector."""
+    gc_runs: dict[int, float] = field(default_factory=dict)
+    """Median collections per step, per generation."""
     allocator: dict[str, float] = field(default_factory=dict)
     """CUDA: median per step of each ``ALLOCATOR_COUNTERS`` increase (empty on CPU)."""
 
@@ -176,6 +198,8 @@ class HostTime:
             f"offloader host {self.total_s * 1e3:.2f} ms of a {self.host_step_s * 1e3:.2f} ms "
             f"host step ({parts or 'no window opened'}; ms per step, windows per step)"
         )
+        runs = ", ".join(f"gen{g} {n:g}" for g, n in sorted(self.gc_runs.items()) if n)
+        line += f"; gc {self.gc_s * 1e3:.2f} ms per step ({runs or 'no collection'})"
         if self.allocator:
             misses = ", ".join(f"{k} {v:g}" for k, v in self.allocator.items() if v)
             line += f"; allocator per step: {misses or 'no miss'}"
@@ -198,6 +222,13 @@ def read_clock(clock: HostClock) -> HostTime:
         if steps
         else 0.0,
         host_step_s=statistics.median(clock.host_step_ns[s] for s in steps) / 1e9 if steps else 0.0,
+        gc_s=statistics.median(clock.gc_ns.get(s, 0) for s in steps) / 1e9 if steps else 0.0,
+        gc_runs={
+            g: statistics.median(clock.gc_runs.get(s, Counter())[g] for s in steps)
+            for g in range(3)
+        }
+        if steps
+        else {},
         allocator={
             k: statistics.median(clock.allocator[s][k] for s in clock.allocator)
             for k in ALLOCATOR_COUNTERS
@@ -220,6 +251,7 @@ def run_clocked(
     if not clocked or max(clocked) >= run.steps or min(clocked) < 0:
         raise ValueError(f"clocked steps {sorted(clocked)} are not steps of a {run.steps}-step run")
     clock = HostClock(cuda=torch.device(device).type == "cuda")
+    gc.callbacks.append(clock._on_gc)
     try:
         train(
             spec,
@@ -229,5 +261,6 @@ def run_clocked(
             hooks=RunHooks(step_context=clock.steps_hooks(clocked)),
         )
     finally:
+        gc.callbacks.remove(clock._on_gc)
         clock.reset()
     return read_clock(clock)

@@ -3,6 +3,7 @@ are the sync guard's, so the same coverage holds on CUDA)."""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 
@@ -146,3 +147,23 @@ def test_cuda_counts_a_pinned_allocation_per_step() -> None:
         spec, RUN, _PinsEveryStep(OffloadContext(CONFIG, device)), device, clocked={1, 2}
     )
     assert missing.allocator["pinned allocs"] >= 1, missing.allocator
+
+
+def test_garbage_collections_in_a_step_are_timed() -> None:
+    """A full collection forced inside every commit shows as gen2 runs and gc time."""
+
+    class _Collects(Wrapper):
+        def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
+            if name in CONFIG.selected:
+                gc.collect()
+            return self.inner.group(name, x, layer=layer)
+
+    plain = run_clocked(SPEC, RUN, _reference(), CPU, clocked={1, 2})
+    found = run_clocked(SPEC, RUN, _Collects(_reference()), CPU, clocked={1, 2})
+    selected = len(SPEC.group_sequence(CONFIG.selected)) * RUN.microbatches
+    assert found.gc_runs[2] >= selected > plain.gc_runs.get(2, 0)
+    assert found.gc_s > plain.gc_s
+    assert f"gen2 {found.gc_runs[2]:g}" in found.summary()
+    assert gc.callbacks.count(None) == 0 and not any(
+        getattr(cb, "__self__", None).__class__ is HostClock for cb in gc.callbacks
+    )
