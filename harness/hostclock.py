@@ -117,13 +117,12 @@ class HostClock:
 
     @contextlib.contextmanager
     def window(self, kind: str, where: str) -> Iterator[None]:
-        if not self.open(kind, where):
-            yield
-            return
+        opened = self.open(kind, where)
         try:
             yield
         finally:
-            self.close()
+            if opened:
+                self.close()
 
     def reset(self) -> None:
         """Forget open windows (after an exception or a step whose backward hooks never
