@@ -10,8 +10,8 @@
 #               modules (through the bridge)
 #   repro       `offload-harness repro` of the seed under delays: the one-command reproduction
 #   golden-new  records golden traces for the rows that have none yet (tarred to $OUT)
-#   bench       scripts/bench on hybrid-small, moe-small and moe-bench, 3 rounds, with the
-#               breakdown and the host time in each offloader's calls (megatron-core's
+#   bench       scripts/bench on hybrid-small, moe-small, moe-bench and hybrid-bench, 3 rounds,
+#               with the breakdown and the host time in each offloader's calls (megatron-core's
 #               offloader as the mcore variant), bench.json to $OUT
 # SECTIONS="seed cases ..." runs a subset (default: all, in the order above). Logs and reports
 # go to $OUT (default reports/gpu-mcore); limits: T_<SECTION> seconds.
@@ -63,7 +63,7 @@ PY
 if ((${#NEW[@]})); then
   section golden-new "${T_GOLDEN_NEW:-150}" "${CASES[@]}" --update-golden "${NEW[@]}"
 fi
-section bench "${T_BENCH:-300}" python3 scripts/bench --models hybrid-small,moe-small,moe-bench \
+section bench "${T_BENCH:-400}" python3 scripts/bench --models hybrid-small,moe-small,moe-bench,hybrid-bench \
   --rounds 3 --breakdown --host-time 5 --out "$OUT/bench"
 tar -czf "$OUT/reports.tgz" -C "$OUT" reports 2>/dev/null && rm -rf "$OUT/reports"
 if [ -n "${UPDATE_GOLDEN:-}" ] || [[ " $SECTIONS " == *" golden-new "* ]]; then

@@ -457,3 +457,25 @@ def test_copy_bound_and_unmeasured_compute_keep_their_rules(bench: ModuleType) -
     assert bench.render_compute(entry) == [
         "device compute of the baseline: failed: RuntimeError: no trace"
     ]
+
+
+def test_offload_config_rules_are_one_line(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A selection the offload config refuses (attn_proj without core_attn) stops before any
+    run with the config's one line, not a traceback from inside the first model."""
+    argv = ["--device", "cpu", "--models", "hybrid-tiny", "--offload", "qkv_linear,attn_proj"]
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench: offload module 'attn_proj' requires 'core_attn'"), err
+    assert "\n" not in err
+
+
+def test_hybrid_bench_offloads_what_its_config_allows(bench: ModuleType) -> None:
+    """The bench-only hybrid model's default selection passes the config rules and opens
+    groups on its pattern (its figures are GPU-only)."""
+    model = bench.bench_model("hybrid-bench")
+    assert model.spec.pattern == "+-+-+-"
+    names = bench.selection(model, None)
+    assert names == ("attn_norm", "qkv_linear")
+    bench.OffloadConfig(offload_modules=names).check_applies_to(model.spec)
