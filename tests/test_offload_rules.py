@@ -210,6 +210,21 @@ def test_marks_follow_a_parameter_whose_storage_moves() -> None:
     assert off._is_marked(parameter.detach()), "a parameter whose mark was dropped stayed unmarked"
 
 
+def test_a_mark_replaced_at_the_same_address_is_renewed() -> None:
+    """Two parameters at one address (FSDP2 allocating one where another lived): the second
+    mark replaces the first. After the second moves on, the first must be marked again by its
+    next mark_not_offloadable, not skipped as already marked."""
+    off = make_offloader()
+    first = torch.nn.Parameter(normal((2 * MIN_NUMEL,), seed=1))
+    second = torch.nn.Parameter(first.detach())  # same storage, another object
+    off.mark_not_offloadable(first)
+    off.mark_not_offloadable(second)
+    second.data = normal((2 * MIN_NUMEL,), seed=2)
+    assert not off._is_marked(first.detach())  # the address's mark was second's, now stale
+    off.mark_not_offloadable(first)
+    assert off._is_marked(first.detach()), "a parameter whose mark was replaced stayed unmarked"
+
+
 def test_forced_release_frees_eligible_tensor_of_offloaded_group() -> None:
     off = make_offloader()
     result = release_in_one_group(off, _activation, saved=lambda q: (q,))

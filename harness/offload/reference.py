@@ -326,7 +326,10 @@ class OffloadContext:
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
         for tensor in tensors:
             # Models mark every parameter on every forward: one already marked at its current
-            # address needs nothing more (an FSDP2 parameter whose storage moved is marked anew).
+            # address needs nothing more. The fast path holds only while the tensor's mark is
+            # the one at its address: a stale mark dropped by _is_marked, or another tensor
+            # marked at the same address (FSDP2 re-allocating one unsharded parameter where
+            # another lived), removes it, so the next call marks anew.
             known = self._marked_objects.get(id(tensor))
             if known is not None and known[0] is tensor and known[1] == tensor.data_ptr():
                 continue
@@ -336,7 +339,11 @@ class OffloadContext:
             # Saved-tensor hooks often see a fresh alias (a detached view of a parameter), not
             # this Python object, so the mark is kept per storage; the reference keeps the
             # storage alive, so its address cannot be reused by an activation.
-            self._marked[_storage_key(tensor)] = tensor
+            key = _storage_key(tensor)
+            replaced = self._marked.get(key)
+            if replaced is not None and replaced is not tensor:
+                self._marked_objects.pop(id(replaced), None)
+            self._marked[key] = tensor
 
     def end_iteration(self) -> None:
         active = [c for c in self._chunks.values() if c.active]
