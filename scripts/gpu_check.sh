@@ -29,5 +29,5 @@ timeout "${T_SYNC:-90}" python3 -m pytest -q -p no:cacheprovider -x cases/test_s
 echo "sync case vs ${SYNC_BROKEN:-broken.host_sync} rc=$? (1 expected) in $((SECONDS - start))s"
 grep -m 3 "synchronised the host" "$OUT/sync-broken.log"
 start=$SECONDS
-timeout "${T_BENCH:-300}" python3 scripts/bench --out "$OUT" > "$OUT/bench.log" 2>&1
+timeout "${T_BENCH:-420}" python3 scripts/bench --out "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $((SECONDS - start))s"; cat "$OUT/bench.log"
