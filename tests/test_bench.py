@@ -479,3 +479,38 @@ def test_hybrid_bench_offloads_what_its_config_allows(bench: ModuleType) -> None
     names = bench.selection(model, None)
     assert names == ("attn_norm", "qkv_linear")
     bench.OffloadConfig(offload_modules=names).check_applies_to(model.spec)
+
+
+def test_baseline_compute_without_phase_work_is_a_reason(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A traced baseline whose forward or backward ranges hold no compute (ranges missing from
+    the trace) gives a reason, not a zero that would call every model not hideable."""
+    busy = {"bench.forward": 0.0, "bench.backward": 0.004}
+
+    def fake_trace(
+        factory: object,
+        spec: object,
+        run: object,
+        config: object,
+        device: object,
+        warmup: int,
+        path: Path,
+    ) -> str:
+        path.write_bytes(b"")
+        return str(path)
+
+    monkeypatch.setattr(bench, "trace_variant", fake_trace)
+    monkeypatch.setattr(bench.timeline, "load_trace", lambda path: {"traceEvents": []})
+    monkeypatch.setattr(bench.timeline, "analyse", lambda trace: object())
+    monkeypatch.setattr(bench.timeline, "phase_busy", lambda trace, prefixes: dict(busy))
+    args = (object(), None, None, None, torch.device("cpu"), 1)
+    found = bench.baseline_compute(*args)
+    assert found == "no compute found inside the baseline trace's forward or backward ranges"
+    busy["bench.forward"] = 0.003
+    monkeypatch.setattr(bench.timeline, "analyse", lambda trace: type("T", (), {"busy_s": 0.009})())
+    assert bench.baseline_compute(*args) == {
+        "step_s": 0.009,
+        "forward_s": 0.003,
+        "backward_s": 0.004,
+    }
