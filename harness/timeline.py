@@ -58,7 +58,7 @@ import bisect
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from harness.transfers import (
@@ -131,6 +131,9 @@ class Timeline:
     launch_bound_gaps: int
     d2h: Copies
     h2d: Copies
+    phase_busy_s: dict[str, float] = field(default_factory=dict)
+    """Per prefix asked for (``analyse``'s ``phases``), the compute stream's busy time for the
+    work launched inside the host ranges whose names start with it (module docstring)."""
 
     @property
     def waiting_s(self) -> float:
@@ -157,22 +160,25 @@ class Timeline:
 
 
 def analyse(
-    trace: str | os.PathLike[str] | Mapping[str, Any], *, min_gap_us: float = MIN_GAP_US
+    trace: str | os.PathLike[str] | Mapping[str, Any],
+    *,
+    min_gap_us: float = MIN_GAP_US,
+    phases: Sequence[str] = (),
 ) -> Timeline | None:
-    """The device timeline of a chrome trace (a ``.json``/``.json.gz`` path or a loaded dict);
-    None when the trace has no device events (a CPU-only profile)."""
+    """The device timeline of a chrome trace (a ``.json``/``.json.gz`` path or a loaded dict),
+    with the busy time of each of ``phases`` (``phase_busy``); None when the trace has no device
+    events (a CPU-only profile)."""
     events = list(_events(load_trace(trace)))
     device = [e for e in events if e.cat in DEVICE_CATS]
     if not device:
         return None
-    by_stream = _by_stream(device)
-    compute = _compute_stream(by_stream)
+    by_stream: dict[tuple[Any, Any], list[_Event]] = defaultdict(list)
+    for event in device:
+        by_stream[event.thread].append(event)
+    compute = max(by_stream, key=lambda s: _kernel_ns(by_stream[s]))
     stream = sorted(by_stream[compute], key=lambda e: e.start)
-    launches = {
-        e.args["correlation"]: e
-        for e in events
-        if e.cat in _LAUNCH_CATS and "correlation" in e.args
-    }
+    launched = [e for e in events if e.cat in _LAUNCH_CATS and "correlation" in e.args]
+    launches = {e.args["correlation"]: e for e in launched}
     launch_bound, waiting = _gaps(stream, launches, round(min_gap_us * 1e3))
     other_work = _BusyTime(e for e in stream if _copy_kind(e) is None)
     copies = {kind: _copies(kind, device, other_work) for kind in COPY_KINDS.values()}
@@ -187,6 +193,7 @@ def analyse(
         launch_bound_gaps=len(launch_bound),
         d2h=copies["DtoH"],
         h2d=copies["HtoD"],
+        phase_busy_s=_phase_busy(phases, events, launched, stream) if phases else {},
     )
 
 
@@ -197,46 +204,35 @@ def phase_busy(
     host ranges whose names start with it (``bench.forward``: every microbatch's forward):
     a launch call (cat ``cuda_runtime``/``cuda_driver``, any thread: the autograd engine
     launches a backward's kernels from its own thread) that starts within such a range's span
-    counts its correlated events on the compute stream. None without device events."""
-    events = list(_events(load_trace(trace)))
-    device = [e for e in events if e.cat in DEVICE_CATS]
-    if not device:
-        return None
-    by_stream = _by_stream(device)
-    on_compute = {
-        e.args["correlation"]: e
-        for e in by_stream[_compute_stream(by_stream)]
-        if "correlation" in e.args
-    }
-    launches = sorted(
-        (e for e in events if e.cat in _LAUNCH_CATS and "correlation" in e.args),
-        key=lambda e: e.start,
-    )
-    starts = [e.start for e in launches]
+    counts its correlated events on the compute stream. None without device events.
+    (``analyse(trace, phases=prefixes)`` gives the same with the rest of the timeline.)"""
+    found = analyse(trace, phases=prefixes)
+    return None if found is None else found.phase_busy_s
+
+
+def _phase_busy(
+    prefixes: Sequence[str],
+    events: Sequence[_Event],
+    launched: Sequence[_Event],
+    stream: Sequence[_Event],
+) -> dict[str, float]:
+    """``phase_busy`` from a parsed trace: all its ``events``, the launch calls among them and
+    the compute stream's events."""
+    on_compute = {e.args["correlation"]: e for e in stream if "correlation" in e.args}
+    launched = sorted(launched, key=lambda e: e.start)
+    starts = [e.start for e in launched]
     out: dict[str, float] = {}
     for prefix in prefixes:
         work: list[_Event] = []
         for span in (e for e in events if e.cat in RANGE_CATS and e.name.startswith(prefix)):
             first = bisect.bisect_left(starts, span.start)
             last = bisect.bisect_right(starts, span.end)
-            for launch in launches[first:last]:
+            for launch in launched[first:last]:
                 event = on_compute.get(launch.args["correlation"])
                 if event is not None:
                     work.append(event)
         out[prefix] = _seconds(_BusyTime(work).total)
     return out
-
-
-def _by_stream(device: Iterable[_Event]) -> dict[tuple[Any, Any], list[_Event]]:
-    by_stream: dict[tuple[Any, Any], list[_Event]] = defaultdict(list)
-    for event in device:
-        by_stream[event.thread].append(event)
-    return by_stream
-
-
-def _compute_stream(by_stream: Mapping[tuple[Any, Any], Sequence[_Event]]) -> tuple[Any, Any]:
-    """The stream with the most kernel time."""
-    return max(by_stream, key=lambda s: _kernel_ns(by_stream[s]))
 
 
 def _seconds(ns: int) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -500,15 +500,16 @@ def test_baseline_compute_without_phase_work_is_a_reason(
         path.write_bytes(b"")
         return str(path)
 
+    def fake_analyse(trace: object, *, phases: tuple[str, ...]) -> object:
+        assert set(phases) == set(busy)
+        return SimpleNamespace(busy_s=0.009, phase_busy_s=dict(busy))
+
     monkeypatch.setattr(bench, "trace_variant", fake_trace)
-    monkeypatch.setattr(bench.timeline, "load_trace", lambda path: {"traceEvents": []})
-    monkeypatch.setattr(bench.timeline, "analyse", lambda trace: object())
-    monkeypatch.setattr(bench.timeline, "phase_busy", lambda trace, prefixes: dict(busy))
+    monkeypatch.setattr(bench.timeline, "analyse", fake_analyse)
     args = (object(), None, None, None, torch.device("cpu"), 1)
     found = bench.baseline_compute(*args)
     assert found == "no compute found inside the baseline trace's forward or backward ranges"
     busy["bench.forward"] = 0.003
-    monkeypatch.setattr(bench.timeline, "analyse", lambda trace: type("T", (), {"busy_s": 0.009})())
     assert bench.baseline_compute(*args) == {
         "step_s": 0.009,
         "forward_s": 0.003,
