@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from statistics import median
 
 import torch
 
@@ -208,31 +208,24 @@ class HostTime:
 def read_clock(clock: HostClock) -> HostTime:
     """The per-step medians of what ``clock`` recorded."""
     steps = tuple(sorted(clock.host_step_ns))
+    if not steps:
+        return HostTime(steps=steps)
+
     kinds = sorted({k for c in clock.calls.values() for k in c})
+    ns = [clock.ns.get(s, Counter()) for s in steps]
+    calls = [clock.calls.get(s, Counter()) for s in steps]
+    gc_runs = [clock.gc_runs.get(s, Counter()) for s in steps]
+    allocator = list(clock.allocator.values())
     return HostTime(
         steps=steps,
-        seconds={
-            k: statistics.median(clock.ns.get(s, Counter())[k] for s in steps) / 1e9 for k in kinds
-        },
-        calls={
-            k: statistics.median(clock.calls.get(s, Counter())[k] for s in steps) for k in kinds
-        },
-        total_s=statistics.median(sum(clock.ns.get(s, Counter()).values()) for s in steps) / 1e9
-        if steps
-        else 0.0,
-        host_step_s=statistics.median(clock.host_step_ns[s] for s in steps) / 1e9 if steps else 0.0,
-        gc_s=statistics.median(clock.gc_ns.get(s, 0) for s in steps) / 1e9 if steps else 0.0,
-        gc_runs={
-            g: statistics.median(clock.gc_runs.get(s, Counter())[g] for s in steps)
-            for g in range(3)
-        }
-        if steps
-        else {},
-        allocator={
-            k: statistics.median(clock.allocator[s][k] for s in clock.allocator)
-            for k in ALLOCATOR_COUNTERS
-        }
-        if clock.allocator
+        seconds={k: median(c[k] for c in ns) / 1e9 for k in kinds},
+        calls={k: median(c[k] for c in calls) for k in kinds},
+        total_s=median(sum(c.values()) for c in ns) / 1e9,
+        host_step_s=median(clock.host_step_ns[s] for s in steps) / 1e9,
+        gc_s=median(clock.gc_ns.get(s, 0) for s in steps) / 1e9,
+        gc_runs={g: median(c[g] for c in gc_runs) for g in range(3)},
+        allocator={k: median(a[k] for a in allocator) for k in ALLOCATOR_COUNTERS}
+        if allocator
         else {},
     )
 
