@@ -2,6 +2,7 @@
 
 pytest_plugins = [
     "fixtures.options",
+    "fixtures.workers",
     "fixtures.dist",
     "fixtures.models",
     "fixtures.cases",

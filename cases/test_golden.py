@@ -1,7 +1,9 @@
-"""Golden values: the plain baseline's loss trace equals the committed golden file of this device
-kind bitwise (``harness.golden``), so a model, runner or library change that moves the numbers
-is caught even when the offload run still matches its baseline. No extra training: the trace
-comes from the case's shared run. ``--update-golden`` rewrites the files instead.
+"""Golden values: the plain baseline's loss trace equals the committed golden file of this
+machine's numerics fingerprint bitwise (``harness.golden``), so a model, runner or library
+change that moves the numbers is caught even when the offload run still matches its baseline.
+A machine with no trace for its fingerprint skips with the fingerprint and how to record one.
+No extra training: the trace comes from the case's shared run. ``--update-golden`` rewrites the
+files instead.
 
 Rank 0 checks (or writes) its trace; the verdict is collective, so every rank raises the same
 assertion or skips with the same reason."""
@@ -11,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from fixtures.dist import DistEnv
-from harness import distributed, golden
+from harness import distributed, fingerprint, golden
 from harness.cases import Case
 from harness.execute import CaseRun, Environment, run_case
 
@@ -27,11 +29,9 @@ def test_golden_baseline(
     res: CaseRun = case_result(run_case, case)
     outcome = None
     if dist_env.rank == 0:
-        kind = golden.case_kind(
-            environment.device, environment.model_size, case.sharding, dist_env.world_size
-        )
+        variant = golden.variant(environment.model_size, case.sharding, dist_env.world_size)
         check = golden.update if pytestconfig.getoption("--update-golden") else golden.check
-        outcome = check(case.name, res.plain.losses, kind)
+        outcome = check(case.name, res.plain.losses, fingerprint.of(environment.device), variant)
         record_result(case.name, {"golden": outcome.record()})
     problems = [outcome.message] if outcome is not None and not outcome.ok else []
     combined = distributed.collective_problems(problems)

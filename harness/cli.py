@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from harness import golden
+from harness import fingerprint, golden
 from harness.cases import (
     FAMILIES,
     FAMILY_CHOICES,
@@ -87,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--update-golden",
         action="store_true",
-        help="rewrite the golden baseline traces of the cases run (cases/golden/<device kind>/)",
+        help="rewrite the golden baseline traces of the cases run "
+        "(cases/golden/<fingerprint>/<variant>/)",
     )
     _case_flags(run.add_argument_group("one custom case (instead of the matrix)"))
     repro = sub.add_parser("repro", help="reproduce one case: loss table, first divergence")
@@ -224,9 +225,8 @@ def _run_one(case: Case, env: Environment, update_golden: bool = False) -> dict[
         memory = run_memory(case, env)
         record.update(memory_record(memory))
         problems += memory_problems(memory)
-    kind = golden.device_kind(env.device, env.model_size)
     check = golden.update if update_golden else golden.check
-    outcome = check(case.name, res.plain.losses, kind)
+    outcome = check(case.name, res.plain.losses, fingerprint.of(env.device), env.model_size)
     if not outcome.ok:
         problems.append(f"golden: {outcome.message}")
     record.update(

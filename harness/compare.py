@@ -19,6 +19,8 @@ class Divergence:
     microbatch: int
     expected: float
     got: float
+    labels: tuple[str, str] = ("baseline", "offload")
+    """What the expected and the got values are, for the message."""
 
     @property
     def abs_diff(self) -> float:
@@ -26,8 +28,8 @@ class Divergence:
 
     def __str__(self) -> str:
         return (
-            f"step {self.step} microbatch {self.microbatch}: baseline {self.expected!r} vs "
-            f"offload {self.got!r} (|diff| {self.abs_diff:.3e})"
+            f"step {self.step} microbatch {self.microbatch}: {self.labels[0]} {self.expected!r} "
+            f"vs {self.labels[1]} {self.got!r} (|diff| {self.abs_diff:.3e})"
         )
 
 
@@ -41,7 +43,10 @@ def losses_match(a: torch.Tensor, b: torch.Tensor, tolerance: float = 0.0) -> bo
 
 
 def first_divergence(
-    expected: torch.Tensor, got: torch.Tensor, tolerance: float = 0.0
+    expected: torch.Tensor,
+    got: torch.Tensor,
+    tolerance: float = 0.0,
+    labels: tuple[str, str] = ("baseline", "offload"),
 ) -> Divergence | None:
     """The first (step, microbatch) in row-major order that does not match."""
     steps, microbatches = expected.shape
@@ -49,7 +54,9 @@ def first_divergence(
         for mb in range(microbatches):
             e, g = expected[step, mb], got[step, mb]
             if not losses_match(e.reshape(1), g.reshape(1), tolerance):
-                return Divergence(step=step, microbatch=mb, expected=float(e), got=float(g))
+                return Divergence(
+                    step=step, microbatch=mb, expected=float(e), got=float(g), labels=labels
+                )
     return None
 
 

@@ -1,23 +1,36 @@
 """Golden loss traces: the plain baseline's per-microbatch losses of each case, stored as text per
-device kind, so a change of the model, the runner or the libraries shows up as drift, separately
-from the offload-vs-baseline verdict.
+machine numerics fingerprint (``harness.fingerprint``), so a change of the model, the runner or
+the libraries shows up as drift, separately from the offload-vs-baseline verdict.
 
-Paths: ``cases/golden/<device kind>/<case file>.txt``. The device kind is ``cpu`` or
-``cuda-<short GPU name>`` (``cuda-h200``), with ``-<size>`` appended when the run uses another
-model size than the device's default (``tiny`` on CPU, ``small`` on CUDA) and ``-ranks<N>`` for
-sharded cases under torchrun at N ranks (rank 0's trace is the one stored). The case file is the
-case id with characters that are awkward in file names (``*``) percent-encoded
-(``moe-%2AE%2AE_...``).
+Paths: ``<golden root>/<fingerprint id>/<variant>/<case file>.txt``.
 
-Format (torchtitan's loss traces): one ``step microbatch loss`` line per microbatch, the loss
-written with ``repr(float)`` so reading it back gives the same fp32 bits; ``#`` lines are comments
-(torch version and CPU capability of the machine that wrote the file, for the drift message).
-Files change only through ``--update-golden``.
+* The golden root is the checkout's ``cases/golden/``, or the folder named by the environment
+  variable ``OFFLOAD_HARNESS_GOLDEN_DIR`` (for an installed package, or a CI's own goldens);
+  ``golden_root`` says which, and an installed package without either has none.
+* The fingerprint id (``cpu-avx2-1a2b3c4d``) names the machine kind; its folder holds a
+  ``FINGERPRINT`` file with every field, and each trace repeats them in its header.
+* The variant is the model size, with ``-ranks<N>`` for sharded cases under torchrun at N ranks
+  (each rank then trains on its own data shard, so rank 0's trace - the one stored - depends on
+  N): ``tiny``, ``small``, ``tiny-ranks2``.
+* The case file is the case id with characters awkward in file names (``*``) percent-encoded
+  (``moe-%2AE%2AE_...``).
+
+Format (torchtitan's loss traces): ``#:`` lines are the writer's fingerprint fields, other ``#``
+lines comments, then one ``step microbatch loss`` line per microbatch, the loss written with
+``repr(float)`` so reading it back gives the same fp32 bits. Files change only through
+``--update-golden``.
+
+Verdicts: ``match``; ``mismatch`` (this machine's fingerprint equals the writer's, so the numbers
+really changed); ``missing`` (no trace for this machine's fingerprint: reported, never a failure,
+except where a gate asks for it); ``malformed`` (a golden file that cannot be read: a failure).
+A folder recorded before fingerprints existed has ``?`` for the fields nobody wrote down: a
+machine that agrees with every recorded field compares against it, and a match there counts,
+but a mismatch reads as ``missing`` - such a trace can confirm the numbers, never refute them.
 """
 
 from __future__ import annotations
 
-import re
+import os
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,60 +38,46 @@ from pathlib import Path
 import torch
 
 from harness.compare import first_divergence, loss_table
+from harness.fingerprint import Fingerprint
 
-GOLDEN_ROOT = Path(__file__).resolve().parents[1] / "cases" / "golden"
-"""Where the committed golden files live."""
+CHECKOUT_ROOT = Path(__file__).resolve().parents[1] / "cases" / "golden"
+"""Where a checkout keeps the committed golden files."""
 
-DEFAULT_SIZE = {"cpu": "tiny", "cuda": "small"}
-"""The model size a device runs unless told otherwise; golden folders without a size suffix
-hold traces of this size."""
+ROOT_VARIABLE = "OFFLOAD_HARNESS_GOLDEN_DIR"
+"""The environment variable that names another golden root."""
 
-_VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro"}
-_VARIANT = re.compile(r"^(\d+gb|sxm\d*|pcie|hbm\d*e?|nvl\d*|mig.*)$")
-
-
-def gpu_short_name(device_name: str) -> str:
-    """``NVIDIA H200`` -> ``h200``, ``NVIDIA H100 80GB HBM3`` -> ``h100``,
-    ``NVIDIA GeForce RTX 4090`` -> ``rtx-4090``: the model, without vendor, memory or form
-    factor."""
-    words = [w for w in re.split(r"[\s\-_]+", device_name.lower()) if w]
-    kept: list[str] = []
-    for word in words:
-        if word in _VENDOR_WORDS:
-            continue
-        if _VARIANT.match(word):
-            break
-        kept.append(re.sub(r"[^a-z0-9]", "", word))
-    return "-".join(w for w in kept if w) or "unknown"
+FINGERPRINT_FILE = "FINGERPRINT"
 
 
-def device_kind(device: torch.device, model_size: str) -> str:
-    """``cpu``, ``cuda-h200``, or either with ``-<size>`` for a non-default model size."""
-    if device.type == "cuda":
-        kind = f"cuda-{gpu_short_name(torch.cuda.get_device_name(device))}"
-    else:
-        kind = device.type
-    if model_size != DEFAULT_SIZE.get(device.type, "tiny"):
-        kind += f"-{model_size}"
-    return kind
+def golden_root() -> Path | None:
+    """``$OFFLOAD_HARNESS_GOLDEN_DIR`` if set, else the checkout's ``cases/golden/`` if this
+    package runs from a checkout, else None."""
+    named = os.environ.get(ROOT_VARIABLE)
+    if named:
+        return Path(named)
+    return CHECKOUT_ROOT if CHECKOUT_ROOT.is_dir() else None
 
 
-def case_kind(device: torch.device, model_size: str, sharding: str, world_size: int) -> str:
-    """The device kind of a case's golden file: ``device_kind``, plus ``-ranks<N>`` for a
-    sharded case at world size N > 1 (each rank then trains on its own data shard, so rank 0's
-    trace depends on N)."""
-    kind = device_kind(device, model_size)
-    return f"{kind}-ranks{world_size}" if sharding != "none" and world_size > 1 else kind
+def variant(model_size: str, sharding: str = "none", world_size: int = 1) -> str:
+    """``tiny``, ``small``, or either with ``-ranks<N>`` for a sharded case at N > 1 ranks."""
+    return (
+        f"{model_size}-ranks{world_size}" if sharding != "none" and world_size > 1 else model_size
+    )
 
 
-def golden_path(kind: str, case_name: str, root: Path = GOLDEN_ROOT) -> Path:
-    """The golden file of a case for a device kind."""
-    return root / kind / f"{urllib.parse.quote(case_name, safe='+-_.')}.txt"
+def golden_path(fingerprint_id: str, variant_name: str, case_name: str, root: Path) -> Path:
+    """The golden file of a case for a fingerprint and variant."""
+    name = f"{urllib.parse.quote(case_name, safe='+-_.')}.txt"
+    return root / fingerprint_id / variant_name / name
 
 
-def trace_text(losses: torch.Tensor, comments: tuple[str, ...] = ()) -> str:
-    """A [steps, microbatches] loss tensor as ``step microbatch loss`` lines (``repr`` floats)."""
-    lines = [f"# {c}" for c in comments]
+def trace_text(
+    losses: torch.Tensor, comments: tuple[str, ...] = (), fingerprint: Fingerprint | None = None
+) -> str:
+    """A [steps, microbatches] loss tensor as ``step microbatch loss`` lines (``repr`` floats),
+    after the fingerprint's ``#:`` lines and ``#`` comments."""
+    lines = [f"#: {line}" for line in (fingerprint.lines() if fingerprint else [])]
+    lines += [f"# {c}" for c in comments]
     steps, microbatches = losses.shape
     lines += [
         f"{step} {mb} {float(losses[step, mb])!r}"
@@ -114,17 +113,20 @@ def parse_trace(text: str, source: str = "trace") -> torch.Tensor:
     return out
 
 
-def machine_comments() -> tuple[str, ...]:
-    """What the writing machine was: the facts a drift message needs."""
-    return (
-        f"torch {torch.__version__}",
-        f"cpu capability {torch.backends.cpu.get_cpu_capability()}",
-        f"torch threads {torch.get_num_threads()}",
-    )
+def trace_fingerprint(text: str, source: str = "trace") -> Fingerprint | None:
+    """The writer's fingerprint from a trace's ``#:`` lines (None if it has none)."""
+    lines = [line[2:].strip() for line in text.splitlines() if line.startswith("#:")]
+    return Fingerprint.parse(lines, source) if lines else None
 
 
-def _comments(text: str) -> list[str]:
-    return [line[1:].strip() for line in text.splitlines() if line.startswith("#")]
+def read_fingerprint(folder: Path) -> Fingerprint:
+    """The ``FINGERPRINT`` file of a golden folder; a malformed one is a ``ValueError``."""
+    path = folder / FINGERPRINT_FILE
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    return Fingerprint.parse(text.splitlines(), str(path))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,70 +134,158 @@ class GoldenCheck:
     """The outcome of comparing a baseline trace with its golden file."""
 
     status: str
-    """``match``, ``mismatch``, ``missing`` (no file for this device kind) or ``updated``."""
-    path: Path
+    """``match``, ``mismatch``, ``missing``, ``malformed`` or ``updated``."""
+    path: Path | None
     message: str
+    fingerprint: str = ""
+    """This machine's fingerprint id."""
 
     @property
     def ok(self) -> bool:
-        return self.status != "mismatch"
+        return self.status not in ("mismatch", "malformed")
 
     def record(self) -> dict[str, str]:
         """The report fields of this check."""
         path = self.path
-        if path.is_relative_to(GOLDEN_ROOT.parents[1]):
-            path = path.relative_to(GOLDEN_ROOT.parents[1])
-        return {"status": self.status, "path": str(path), "message": self.message}
+        if path is not None and path.is_relative_to(CHECKOUT_ROOT.parents[1]):
+            path = path.relative_to(CHECKOUT_ROOT.parents[1])
+        return {
+            "status": self.status,
+            "path": str(path) if path is not None else "",
+            "fingerprint": self.fingerprint,
+            "message": self.message,
+        }
 
 
-def check(
-    case_name: str, losses: torch.Tensor, kind: str, *, root: Path = GOLDEN_ROOT
-) -> GoldenCheck:
-    """Compare a plain-baseline trace with the golden file, bitwise."""
-    path = golden_path(kind, case_name, root)
-    if not path.is_file():
-        return GoldenCheck(
-            status="missing",
-            path=path,
-            message=f"no golden trace for device kind {kind!r} at {path}; create it with "
-            f"`python -m pytest cases/test_golden.py --update-golden` (or "
-            f"`offload-harness run --update-golden`) on this kind of machine and commit it",
-        )
-    text = path.read_text()
-    golden = parse_trace(text, str(path))
-    if golden.shape != losses.shape:
-        return GoldenCheck(
-            status="mismatch",
-            path=path,
-            message=f"baseline trace has {tuple(losses.shape)} (steps, microbatches), golden "
-            f"{path} has {tuple(golden.shape)}",
-        )
-    divergence = first_divergence(golden, losses.float())
-    if divergence is None:
-        return GoldenCheck(status="match", path=path, message="baseline matches the golden trace")
-    recorded = "; ".join(_comments(text)) or "unknown machine"
-    here = "; ".join(machine_comments())
+def _candidates(root: Path, here: Fingerprint, variant_name: str, case_name: str) -> list[Path]:
+    """Golden files of the case in folders whose recorded fields this machine fits: its own
+    folder first, then partial ones (recorded before fingerprints) in name order."""
+    own = golden_path(here.id, variant_name, case_name, root)
+    found = [own] if own.is_file() else []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and p.name != here.id):
+        path = golden_path(folder.name, variant_name, case_name, root)
+        if path.is_file():
+            recorded = read_fingerprint(folder)
+            if recorded.partial and recorded.fits(here):
+                found.append(path)
+    return found
+
+
+def _elsewhere(root: Path, here: Fingerprint, variant_name: str, case_name: str) -> str:
+    """Which other machines have a trace of this case, and how they differ from this one."""
+    others = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and p.name != here.id):
+        if golden_path(folder.name, variant_name, case_name, root).is_file():
+            diff = "; ".join(read_fingerprint(folder).differences(here)[:4])
+            others.append(f"{folder.name} ({diff})" if diff else folder.name)
+    return f"; traces of this case exist for: {', '.join(others)}" if others else ""
+
+
+def _missing(here: Fingerprint, path: Path | None, why: str, extra: str = "") -> GoldenCheck:
     return GoldenCheck(
-        status="mismatch",
+        status="missing",
         path=path,
-        message="\n".join(
-            [
-                f"the plain baseline drifted from its golden trace {path} (a model, runner or "
-                f"library change, not the offloader): first at {divergence}",
-                f"golden written with: {recorded}",
-                f"this machine: {here}",
-                loss_table(golden, losses.float(), labels=("golden", "this run")),
-                "if the change is intended, rewrite it with --update-golden and commit the file",
-            ]
-        ),
+        fingerprint=here.id,
+        message=f"no golden trace for this machine (fingerprint {here.id}: {here.summary()})"
+        f"{why}{extra}; record one with --update-golden (`offload-harness run --update-golden` "
+        f"or `python -m pytest cases/test_golden.py --update-golden`) and commit it",
     )
 
 
-def update(
-    case_name: str, losses: torch.Tensor, kind: str, *, root: Path = GOLDEN_ROOT
+def check(
+    case_name: str,
+    losses: torch.Tensor,
+    here: Fingerprint,
+    variant_name: str,
+    *,
+    root: Path | None = None,
 ) -> GoldenCheck:
-    """Write (or rewrite) the golden file of a case."""
-    path = golden_path(kind, case_name, root)
+    """Compare a plain-baseline trace with the golden file of this machine, bitwise."""
+    root = root if root is not None else golden_root()
+    if root is None or not root.is_dir():
+        where = f"{root} is not a folder" if root is not None else "not a checkout"
+        return _missing(
+            here, root, f" - no golden root ({where}; set {ROOT_VARIABLE} to a golden folder)"
+        )
+    own = golden_path(here.id, variant_name, case_name, root)
+    try:
+        candidates = _candidates(root, here, variant_name, case_name)
+        if not candidates:
+            return _missing(here, own, "", _elsewhere(root, here, variant_name, case_name))
+        unconfirmed = []
+        for path in candidates:
+            text = path.read_text()
+            golden = parse_trace(text, str(path))
+            recorded = trace_fingerprint(text, str(path)) or read_fingerprint(path.parents[1])
+            outcome = _compare(path, golden, losses.float(), here, recorded)
+            if outcome.status == "match" or not recorded.partial:
+                return outcome
+            unconfirmed.append(f"{path.parents[1].name} ({outcome.message.splitlines()[0]})")
+    except (OSError, ValueError) as exc:
+        return GoldenCheck(
+            status="malformed", path=own, fingerprint=here.id, message=f"golden file: {exc}"
+        )
+    why = (
+        " - the traces recorded before fingerprints that this machine fits do not match, and "
+        "they cannot tell a numerics change from a machine that differs in a field they did "
+        f"not record: {'; '.join(unconfirmed)}"
+    )
+    return _missing(here, own, why)
+
+
+def _compare(
+    path: Path, golden: torch.Tensor, losses: torch.Tensor, here: Fingerprint, recorded: Fingerprint
+) -> GoldenCheck:
+    if golden.shape != losses.shape:
+        message = (
+            f"this run's trace has {tuple(losses.shape)} (steps, microbatches), golden {path} "
+            f"has {tuple(golden.shape)}"
+        )
+        return GoldenCheck(status="mismatch", path=path, fingerprint=here.id, message=message)
+    divergence = first_divergence(golden, losses, labels=("golden", "this run"))
+    if divergence is None:
+        note = (
+            f" ({path.parents[1].name}, recorded before fingerprints)" if recorded.partial else ""
+        )
+        return GoldenCheck(
+            status="match",
+            path=path,
+            fingerprint=here.id,
+            message=f"baseline matches the golden trace{note}",
+        )
+    differing = recorded.differences(here)
+    machines = (
+        "fingerprint fields that differ (golden vs this machine): " + "; ".join(differing)
+        if differing
+        else "the machines' fingerprints are identical: a real numerics change (model, runner "
+        "or library), not a different machine"
+    )
+    message = "\n".join(
+        [
+            f"the plain baseline drifted from its golden trace {path}: first at {divergence}",
+            machines,
+            loss_table(golden, losses, labels=("golden", "this run")),
+            "if the change is intended, rewrite it with --update-golden and commit the file",
+        ]
+    )
+    return GoldenCheck(status="mismatch", path=path, fingerprint=here.id, message=message)
+
+
+def update(
+    case_name: str,
+    losses: torch.Tensor,
+    here: Fingerprint,
+    variant_name: str,
+    *,
+    root: Path | None = None,
+) -> GoldenCheck:
+    """Write (or rewrite) the golden file of a case for this machine, and its folder's
+    ``FINGERPRINT`` file."""
+    root = root if root is not None else golden_root()
+    if root is None:
+        raise ValueError(f"--update-golden: no golden root (not a checkout; set {ROOT_VARIABLE})")
+    path = golden_path(here.id, variant_name, case_name, root)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(trace_text(losses, machine_comments()))
-    return GoldenCheck(status="updated", path=path, message=f"wrote {path}")
+    (root / here.id / FINGERPRINT_FILE).write_text("\n".join(here.lines()) + "\n")
+    path.write_text(trace_text(losses, fingerprint=here))
+    return GoldenCheck(status="updated", path=path, fingerprint=here.id, message=f"wrote {path}")

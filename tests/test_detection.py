@@ -3,11 +3,14 @@ default matrix, and every broken offloader of the catalogue (``harness.offload.b
 at least one default case fail with a message naming the step, the microbatch and the group.
 
 To keep the cost down, a broken offloader runs only the case tests its catalogue entry names as
-catchers, with ``-x``; the correct one runs the whole ``cases/`` suite once. The inner sessions
-run in subprocesses (an in-process session would re-import torch modules that register
-operator libraries) on this session's device. Classes CPU cannot show (pinned memory, host
-syncs) run on CUDA only; classes the default matrix cannot show (see each entry's ``needs``)
-are skipped with that reason.
+catchers, with ``-x``; the correct one runs every catcher of every entry once (the control: each
+test a broken offloader must fail passes with the reference; the outer session's own ``cases/``
+run covers the rest of the matrix). The inner sessions run in subprocesses (an in-process
+session would re-import torch modules that register operator libraries) on this session's
+device, with this process's share of the cores: an inner session with all the cores' threads
+spins against the other xdist workers and runs many times slower. Classes CPU cannot show
+(pinned memory, host syncs) run on CUDA only; classes the default matrix cannot show (see each
+entry's ``needs``) are skipped with that reason.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from fixtures.options import Settings
 from harness.offload.broken import CATALOGUE, NO_DELAYS, BrokenBackend
@@ -38,6 +42,12 @@ CASE_TESTS = {
 """The pytest test behind each catalogue check name."""
 
 NAMES_A_GROUP = re.compile(r"\b(" + "|".join(ALL_GROUP_NAMES) + r")\b")
+
+
+@pytest.fixture
+def threads_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inner sessions start with this process's intra-op thread count (``OMP_NUM_THREADS``)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 def _inner(pytester: pytest.Pytester, settings: Settings, *args: str) -> pytest.RunResult:
@@ -65,25 +75,33 @@ def _param(entry: BrokenBackend) -> object:
     return pytest.param(entry, id=entry.name, marks=marks)
 
 
+def _catcher_nodes(entry: BrokenBackend, device: torch.device) -> list[str]:
+    """The pytest node ids of the case tests that must catch ``entry`` on ``device``."""
+    return [
+        f"{REPO}/{CASE_TESTS[check]}[{case_id}]"
+        for check, case_id in entry.catchers
+        if device.type == "cuda" or check not in ("memory", "sync")
+    ]
+
+
 @pytest.mark.slow
-def test_correct_offloader_passes_the_default_matrix(
+@pytest.mark.usefixtures("threads_share")
+def test_correct_offloader_passes_every_catcher(
     pytester: pytest.Pytester, settings: Settings
 ) -> None:
-    result = _inner(pytester, settings, str(REPO / "cases"), "--backend", "reference")
+    nodes = sorted({n for entry in CATALOGUE for n in _catcher_nodes(entry, settings.device)})
+    result = _inner(pytester, settings, "--backend", "reference", *nodes)
     outcomes = result.parseoutcomes()
     assert result.ret == pytest.ExitCode.OK, "\n".join(result.outlines[-40:])
-    assert outcomes.get("passed", 0) > 0 and not outcomes.get("failed")
+    assert outcomes.get("passed", 0) == len(nodes) and not outcomes.get("failed"), outcomes
 
 
 @pytest.mark.parametrize("entry", [_param(entry) for entry in CATALOGUE])
+@pytest.mark.usefixtures("threads_share")
 def test_broken_offloader_is_caught(
     entry: BrokenBackend, pytester: pytest.Pytester, settings: Settings
 ) -> None:
-    nodes = [
-        f"{REPO}/{CASE_TESTS[check]}[{case_id}]"
-        for check, case_id in entry.catchers
-        if settings.device.type == "cuda" or check not in ("memory", "sync")
-    ]
+    nodes = _catcher_nodes(entry, settings.device)
     delays = _delays(entry.cuda_delays) if settings.device.type == "cuda" else ()
     result = _inner(pytester, settings, "-x", "--backend", entry.name, *delays, *nodes)
     text = "\n".join(result.outlines)

@@ -31,7 +31,7 @@ def _summary(**changes: Any) -> dict[str, Any]:
 
 
 def test_green(nightly: ModuleType) -> None:
-    assert nightly.gate(_summary(), ["a", "b"], 0) == []
+    assert nightly.gate(_summary(), ["a", "b"], 0, require_golden=False) == []
 
 
 @pytest.mark.parametrize(
@@ -64,13 +64,23 @@ def test_green(nightly: ModuleType) -> None:
     ],
 )
 def test_red(nightly: ModuleType, summary: Any, status: int, fragment: str) -> None:
-    reasons = nightly.gate(summary, ["a", "b"], status)
+    reasons = nightly.gate(summary, ["a", "b"], status, require_golden=False)
     assert any(fragment in r for r in reasons), reasons
 
 
-def test_require_golden(nightly: ModuleType) -> None:
-    reasons = nightly.gate(_summary(), ["a", "b"], 0, require_golden=True)
-    assert reasons == ["no golden baseline trace for: b"]
+def test_missing_golden_is_red_by_default(nightly: ModuleType) -> None:
+    summary = _summary()
+    summary["cases"][1]["golden"]["fingerprint"] = "cpu-avx2-90fa2ca5"
+    (reason,) = nightly.gate(summary, ["a", "b"], 0)
+    assert reason.startswith("no golden baseline trace for this machine (fingerprint ")
+    assert "cpu-avx2-90fa2ca5): b;" in reason and "--update-golden" in reason
+
+
+def test_malformed_golden_is_red(nightly: ModuleType) -> None:
+    summary = _summary()
+    summary["cases"][0]["golden"]["status"] = "malformed"
+    reasons = nightly.gate(summary, ["a", "b"], 0, require_golden=False)
+    assert reasons == ["golden baseline trace mismatch: a"]
 
 
 def test_expected_cases_follow_min_ranks(nightly: ModuleType) -> None:
