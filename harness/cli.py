@@ -364,6 +364,12 @@ def command_run(args: argparse.Namespace) -> int:
         if case["problems"]:
             print(f"\nFAIL {case['name']}")
             print("\n".join(case["problems"]))
+    missing = [c for c in summary["cases"] if c.get("golden", {}).get("status") == "missing"]
+    if missing:
+        print(
+            f"\ngolden: {len(missing)} of {len(cases)} cases not compared - "
+            f"{missing[0]['golden']['message']}"
+        )
     failed = sum(c["verdict"] != "pass" for c in summary["cases"])
     print(
         f"\n{len(cases) - failed}/{len(cases)} cases passed in {summary['seconds']:.1f}s; "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import os
 import platform
 import re
@@ -92,10 +93,13 @@ class Fingerprint:
             v == UNKNOWN or theirs.get(k) == v for k, v in self.keyed
         )
 
-    def differences(self, other: Fingerprint) -> list[str]:
+    def differences(self, other: Fingerprint, *, keyed_only: bool = False) -> list[str]:
         """``field: ours vs theirs`` for every field (keyed first) whose values differ."""
         out = []
-        for mine, theirs, what in ((self.keyed, other.keyed, "keyed"), (self.info, other.info, "")):
+        pairs = [(self.keyed, other.keyed, "keyed")]
+        if not keyed_only:
+            pairs.append((self.info, other.info, ""))
+        for mine, theirs, what in pairs:
             a, b = dict(mine), dict(theirs)
             for field in dict.fromkeys([*a, *b]):
                 if a.get(field, UNKNOWN) != b.get(field, UNKNOWN):
@@ -167,6 +171,7 @@ def of(device: torch.device) -> Fingerprint:
 def _of(kind: str, index: int | None) -> Fingerprint:
     cpu = _cpu_info()
     common_info = (
+        *_library_versions(),
         ("cpu_model", cpu["model"]),
         ("cpu_flags", " ".join(f for f in _CPU_FLAGS if f in cpu["flags"]) or "none"),
         ("torch_threads", str(torch.get_num_threads())),
@@ -211,6 +216,21 @@ def _cpu_info() -> dict[str, str]:
         if name.strip() in keys:
             info[keys[name.strip()]] = value.strip()
     return info
+
+
+def _library_versions() -> tuple[tuple[str, str], ...]:
+    """The versions of the model libraries megatron-core's rows run on, where installed (read
+    from package metadata: nothing is imported)."""
+    found = []
+    for field, distribution in (
+        ("megatron_core", "megatron-core"),
+        ("transformer_engine", "transformer_engine"),
+    ):
+        try:
+            found.append((field, importlib.metadata.version(distribution)))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return tuple(found)
 
 
 def _driver() -> tuple[str, str]:

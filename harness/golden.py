@@ -176,7 +176,7 @@ def _elsewhere(root: Path, here: Fingerprint, variant_name: str, case_name: str)
     others = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and p.name != here.id):
         if golden_path(folder.name, variant_name, case_name, root).is_file():
-            diff = "; ".join(read_fingerprint(folder).differences(here)[:4])
+            diff = "; ".join(read_fingerprint(folder).differences(here, keyed_only=True))
             others.append(f"{folder.name} ({diff})" if diff else folder.name)
     return f"; traces of this case exist for: {', '.join(others)}" if others else ""
 

@@ -293,7 +293,17 @@ _LOWER_ONEDNN = {"AVX512": "AVX2", "AVX2": "SSE41"}
 def _run_cli(tmp_path: Path, name: str, env: dict[str, str]) -> dict:
     reports = tmp_path / name
     done = subprocess.run(
-        [*CLI_RUN, "--case", BF16_CASE, "--jobs", "1", "--report-dir", str(reports)],
+        [
+            *CLI_RUN,
+            "--case",
+            BF16_CASE,
+            "--device",
+            "cpu",
+            "--jobs",
+            "1",
+            "--report-dir",
+            str(reports),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
