@@ -118,9 +118,13 @@ def prepare_model(spec: ModelSpec, run: RunSpec, device: torch.device) -> Hybrid
 def shard_model(spec: ModelSpec, run: RunSpec, device: torch.device) -> HybridModel:
     """Build from the run's seed (fp32, identical on every rank), then shard it with FSDP2:
     each layer, then the root (embedding, final norm, head)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     distributed.ensure_process_group(device)
+    # The mesh names the run's device type: FSDP2's default mesh takes the machine's
+    # accelerator, which puts a CPU run's parameters on the GPU when one is visible.
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     model = build_model(spec, torch.Generator().manual_seed(run.seed)).to(device)
     compute = DTYPES[run.precision]
     for module in model.modules():  # buffers (RoPE tables, masks) in the compute dtype
@@ -130,8 +134,8 @@ def shard_model(spec: ModelSpec, run: RunSpec, device: torch.device) -> HybridMo
         param_dtype=compute if compute != torch.float32 else None, reduce_dtype=torch.float32
     )
     for layer in model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 

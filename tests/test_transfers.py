@@ -35,6 +35,13 @@ from harness.transfers import (
     transfer_profiler,
 )
 
+NEEDS_IN_MEMORY_ACTIVITIES = pytest.mark.skipif(
+    not hasattr(torch._C._autograd._ProfilerResult, "trace_activities"),
+    reason=f"torch {torch.__version__} keeps no Kineto activities in memory (no "
+    "trace_activities; on the H200 box's torch 2.11): counting reads the chrome trace there",
+)
+
+
 T, H = 8, 16  # tokens, hidden
 WIDE, NARROW = 12, 4  # column slices: 12/16 >= 50% of storage (whole-storage path), 4/16 < 50%
 MICROBATCHES, LAYERS = 2, 2
@@ -182,7 +189,9 @@ def test_conversion_copy_counts_once_with_destination_bytes() -> None:
     assert counts.by_range == {RangeKey("d2h", "core_attn", 0, 0): Counts(1, 4 * 6 * 2)}
 
 
-@pytest.mark.parametrize("source", ["memory", "trace"])
+@pytest.mark.parametrize(
+    "source", [pytest.param("memory", marks=NEEDS_IN_MEMORY_ACTIVITIES), "trace"]
+)
 def test_missing_shapes_raise_a_clear_error(source: str) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function(range_name("d2h", "core_attn", 0, 0)):
@@ -226,6 +235,7 @@ def _both_ways(
     return out[0]
 
 
+@NEEDS_IN_MEMORY_ACTIVITIES
 def test_memory_reader_matches_chrome_trace_on_copies_in_ranges(tmp_path: Path) -> None:
     src, dst = torch.ones(6, 5), torch.empty(6, 5)
     half, wide = torch.empty(5, 6, dtype=torch.bfloat16), torch.ones(6, 5, dtype=torch.float64)
@@ -255,6 +265,7 @@ def test_memory_reader_matches_chrome_trace_on_copies_in_ranges(tmp_path: Path) 
     assert _both_ways(prof, tmp_path, ("auto", "device")) == counts  # device mode: nothing
 
 
+@NEEDS_IN_MEMORY_ACTIVITIES
 def test_memory_reader_matches_chrome_trace_on_other_threads(tmp_path: Path) -> None:
     """Profiling all threads: both readers tell the threads apart the same way (a copy on
     another thread during our range is not in it; that thread's own range is)."""
@@ -288,6 +299,7 @@ def test_memory_reader_matches_chrome_trace_on_other_threads(tmp_path: Path) -> 
     }
 
 
+@NEEDS_IN_MEMORY_ACTIVITIES
 def test_memory_reader_matches_chrome_trace_on_a_training_run(tmp_path: Path) -> None:
     spec = preset("hybrid-tiny")
     run = RunSpec(steps=2, microbatches=2, schedule="1f1b", precision="bf16")
@@ -302,6 +314,7 @@ def test_memory_reader_matches_chrome_trace_on_a_training_run(tmp_path: Path) ->
     assert moved == {(d, n) for d in ("d2h", "h2d") for n in ("core_attn", "attn_proj")}
 
 
+@NEEDS_IN_MEMORY_ACTIVITIES
 def test_source_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     with transfer_profiler("cpu") as prof:
         with record_function(range_name("d2h", "core_attn", 0, 0)):
@@ -553,13 +566,6 @@ def _cuda_check_memory_matches_trace(work: Callable[[], object], tmp_path: Path)
     counts = _both_ways(prof, tmp_path, ("auto", "device"), python_writer=False)
     assert counts.mode == "device"
     return counts
-
-
-NEEDS_IN_MEMORY_ACTIVITIES = pytest.mark.skipif(
-    not hasattr(torch._C._autograd._ProfilerResult, "trace_activities"),
-    reason=f"torch {torch.__version__} keeps no Kineto activities in memory (no "
-    "trace_activities; on the H200 box's torch 2.11): counting reads the chrome trace there",
-)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,78 @@
+"""The suite's xdist defaults (``fixtures.workers``), end to end in subprocesses: a worker that
+dies mid-test ends ``pytest -n 2`` with a failure in bounded time instead of hanging on a
+replaced worker, and the repository's own configuration runs with ``-p no:xdist``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+REPO = Path(__file__).resolve().parents[1]
+
+DYING = """
+import os, signal, time
+import pytest
+
+@pytest.mark.xdist_group("a")
+def test_dies():
+    time.sleep(1)
+    os.kill(os.getpid(), signal.SIGKILL)  # as the case timeout's faulthandler or the OOM killer
+
+@pytest.mark.xdist_group("a")
+def test_after_in_group():
+    pass
+
+@pytest.mark.parametrize("n", range(6))
+def test_other(n):
+    time.sleep(0.5)
+"""
+
+
+def _pytest(folder: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
+    return subprocess.run(
+        command, cwd=folder, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_a_killed_worker_ends_the_session_with_a_failure(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_dying=DYING)
+    began = time.monotonic()
+    done = _pytest(pytester.path, "-p", "fixtures.workers", "-n", "2", timeout=120)
+    seconds = time.monotonic() - began
+    out = done.stdout
+    assert done.returncode == pytest.ExitCode.TESTS_FAILED, out + done.stderr
+    assert "crashed while running 'test_dying.py::test_dies@a'" in out, out  # grouped
+    assert "restarting disabled" in out, out
+    assert "replacing crashed worker" not in out, out
+    assert seconds < 60, f"the session took {seconds:.0f} s to end"
+
+
+def test_loadgroup_is_the_default_under_n(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_groups="""
+import os, pytest
+@pytest.mark.xdist_group("g")
+@pytest.mark.parametrize("n", range(4))
+def test_same_worker(n):
+    print("WORKER", os.environ["PYTEST_XDIST_WORKER"])
+"""
+    )
+    done = _pytest(pytester.path, "-p", "fixtures.workers", "-n", "2", "-rP", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    workers = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("WORKER")}
+    assert len(workers) == 1, done.stdout  # one group, one worker
+
+
+def test_repository_config_runs_without_xdist(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_plain="def test_ok():\n    pass\n")
+    config = ("-c", str(REPO / "pyproject.toml"), "--rootdir", str(pytester.path))
+    done = _pytest(pytester.path, *config, "-p", "no:xdist", "-p", "fixtures.workers", timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
