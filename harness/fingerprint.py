@@ -189,7 +189,7 @@ def _of(kind: str, index: int | None) -> Fingerprint:
             ("cudnn", str(cudnn) if cudnn is not None else "none"),
             ("aten_cpu_capability", torch.backends.cpu.get_cpu_capability()),
         )
-        return Fingerprint(device="cuda", keyed=keyed, info=(*common_info, _driver()))
+        return Fingerprint(device="cuda", keyed=keyed, info=common_info)
     overrides = [f"{v}={os.environ[v]}" for v in _MKL_VARIABLES if os.environ.get(v)]
     keyed = (
         ("torch", torch.__version__),
@@ -231,14 +231,6 @@ def _library_versions() -> tuple[tuple[str, str], ...]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return tuple(found)
-
-
-def _driver() -> tuple[str, str]:
-    try:
-        version = torch._C._cuda_getDriverVersion()  # e.g. 13000
-        return ("cuda_driver", f"{version // 1000}.{version % 1000 // 10}")
-    except (AttributeError, RuntimeError):
-        return ("cuda_driver", UNKNOWN)
 
 
 _ISA_LINE = "info,cpu,isa:"
