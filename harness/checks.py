@@ -1,7 +1,7 @@
 """The checks a case makes, as functions returning problems (empty: pass).
 
-pytest cases assert that the list is empty; ``offload-harness run`` prints it. One definition
-serves both, so the CLI and the test suite cannot disagree about a verdict.
+``harness.judge`` turns them into check outcomes for pytest's case files, ``offload-harness run``
+and mutation scoring alike, so no two entry points can disagree about a verdict.
 
 Every problem names where it happened: the step, the microbatch and the group (a loss mismatch
 lists the groups offloaded in the step where the first gradient or loss went wrong, per
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
 from harness.cases import Case
 from harness.compare import first_divergence, loss_table
-from harness.execute import CaseRun, Environment, MemoryResult, total
+from harness.execute import CaseRun, MemoryResult, total
 from harness.predict import GroupKey, predict
 from harness.spec import ModelSpec
 from harness.train import schedule_order
@@ -320,21 +320,3 @@ def _sizes(sizes: Counter[int], limit: int = 12) -> str:
     return ", ".join(f"{size}: {count}" for size, count in top) + (
         f" (+{more} more)" if more else ""
     )
-
-
-CheckFn = Callable[[Case, CaseRun, Environment], list[str]]
-
-CASE_CHECKS: dict[str, CheckFn] = {
-    "equivalence": lambda case, res, env: equivalence_problems(case, res),
-    "leaks": lambda case, res, env: leak_problems(case, res) if res.offload.logs else [],
-    "transfers": lambda case, res, env: transfer_problems(case, res, env.device),
-    "disabled": lambda case, res, env: disabled_problems(res),
-    "fidelity": lambda case, res, env: fidelity_problems(case, res, env.spec(case)),
-}
-"""The checks of one ``run_case`` result, by name, in the order the case tests run them (the
-memory check needs its own run: ``run_memory`` and ``memory_problems``)."""
-
-
-def case_problems(case: Case, res: CaseRun, env: Environment) -> dict[str, list[str]]:
-    """Every check of ``CASE_CHECKS`` on one result: check name -> problems."""
-    return {name: check(case, res, env) for name, check in CASE_CHECKS.items()}

@@ -28,7 +28,6 @@ from typing import Any, NoReturn
 
 import torch
 
-from harness import fingerprint, golden
 from harness.cases import (
     FAMILIES,
     FAMILY_CHOICES,
@@ -40,9 +39,9 @@ from harness.cases import (
     matrix,
     model_spec,
 )
-from harness.checks import case_problems, memory_problems
-from harness.execute import Environment, memory_unsupported, run_case, run_memory
+from harness.execute import Environment
 from harness.html import render_index
+from harness.judge import judge
 from harness.offload.backends import (
     backend_names,
     backend_unavailable,
@@ -50,8 +49,6 @@ from harness.offload.backends import (
     resolve_backend,
 )
 from harness.report import (
-    case_record,
-    memory_record,
     run_folder,
     verdict_table,
     write_junit,
@@ -218,24 +215,8 @@ def _select(args: argparse.Namespace) -> list[Case]:
 
 
 def _run_one(case: Case, env: Environment, update_golden: bool = False) -> dict[str, Any]:
-    res = run_case(case, env)
-    problems = [p for found in case_problems(case, res, env).values() for p in found]
-    record = case_record(res)
-    if env.device.type == "cuda" and memory_unsupported(case) is None:
-        memory = run_memory(case, env)
-        record.update(memory_record(memory))
-        problems += memory_problems(memory)
-    check = golden.update if update_golden else golden.check
-    outcome = check(case.name, res.plain.losses, fingerprint.of(env.device), env.model_size)
-    if not outcome.ok:
-        problems.append(f"golden: {outcome.message}")
-    record.update(
-        name=case.name,
-        verdict="fail" if problems else "pass",
-        problems=problems,
-        golden=outcome.record(),
-    )
-    return record
+    """Every check of the judge on one case (the same checks pytest's case files run)."""
+    return judge(case, env, update_golden=update_golden).record()
 
 
 def _jobs(value: int | None, device: torch.device, cases: int) -> int:

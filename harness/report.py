@@ -135,17 +135,32 @@ def write_junit(folder: Path, summary: dict[str, Any]) -> Path:
     return path
 
 
+CHECK_COLUMNS = (
+    ("equivalence", "equiv"),
+    ("leaks", "leaks"),
+    ("transfers", "transfers"),
+    ("disabled", "disabled"),
+    ("fidelity", "fidelity"),
+    ("memory", "memory"),
+    ("sync", "sync"),
+    ("golden", "golden"),
+)
+"""The judge's checks (``harness.judge.CHECKS``) and their console column headers."""
+
+
 def verdict_table(summary: dict[str, Any]) -> str:
-    """Console table of a summary: case, verdict, golden trace, groups moved, DtoH/HtoD copies
-    and bytes."""
-    rows = [("case", "verdict", "golden", "groups moved", "DtoH", "HtoD", "bytes each way")]
+    """Console table of a summary: case, verdict, one column per check (pass / fail / skip /
+    n-a), groups moved, DtoH/HtoD copies and bytes."""
+    header = ("case", "verdict", *(h for _, h in CHECK_COLUMNS))
+    rows = [(*header, "groups moved", "DtoH", "HtoD", "bytes each way")]
     for case in summary["cases"]:
         t = case.get("transfers", {})
+        checks = case.get("checks", {})
         rows.append(
             (
                 case["name"],
                 case["verdict"],
-                case.get("golden", {}).get("status", "-"),
+                *(checks.get(name, {}).get("status", "-") for name, _ in CHECK_COLUMNS),
                 ",".join(t.get("names_moved", [])) or "-",
                 str(t.get("d2h_copies", "-")),
                 str(t.get("h2d_copies", "-")),

@@ -1,0 +1,298 @@
+"""One judge of a case: every check, decided the same way for pytest's case files, ``offload-harness
+run`` and mutation scoring.
+
+A check reads the runs it needs from a ``CaseRuns`` (each run made at most once, on first use) and
+returns a ``CheckOutcome``: ``pass``, ``fail`` with its problems, ``skip`` (the check applies but
+cannot be decided here, e.g. no golden trace for this machine) or ``n-a`` (it does not apply to
+this case or device, e.g. memory on CPU), the last two with the reason. The checks, in the order
+they run:
+
+=============  ===========================================================================
+equivalence    the offload happened in the warmup step, then losses, gradients and final
+               weights equal the plain baseline (``harness.checks.equivalence_problems``)
+leaks          nothing saved is left behind after an iteration (needs the offloader's log)
+transfers      per-group copies and bytes of the final step equal the prediction
+disabled       the disabled run copies nothing
+fidelity       only selected groups move, every predicted one does
+memory         CUDA: memory after the last forward drops by what the in-flight groups free
+sync           CUDA: no host synchronisation inside the offloader's entry points
+golden         the plain baseline equals this machine's golden trace (``harness.golden``)
+=============  ===========================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness import fingerprint, golden
+from harness.cases import Case
+from harness.checks import (
+    disabled_problems,
+    equivalence_problems,
+    fidelity_problems,
+    leak_problems,
+    memory_problems,
+    transfer_problems,
+)
+from harness.execute import CaseRun, Environment, MemoryResult, memory_unsupported, run_case
+from harness.report import case_record, memory_record
+from harness.spec import MCORE_IMPLS
+
+GUARDED_STEP = 2
+"""The steady step the host-sync check guards: the first is the offloader's warmup (its pinned
+pool is allocated there, and the optimizer's state), the next lets every allocator settle."""
+
+STATUSES = ("pass", "fail", "skip", "n-a")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckOutcome:
+    """What one check decided."""
+
+    name: str
+    status: str
+    """One of ``STATUSES``."""
+    problems: tuple[str, ...] = ()
+    """What failed (``fail`` only), each naming the step, microbatch and group."""
+    reason: str = ""
+    """Why the check was skipped or does not apply."""
+    record: dict[str, Any] = field(default_factory=dict)
+    """Report fields the check contributes (losses, transfers, memory, golden...)."""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"check status must be one of {STATUSES}; got {self.status!r}")
+
+
+def _from_problems(name: str, problems: Iterable[str], **record: Any) -> CheckOutcome:
+    problems = tuple(problems)
+    return CheckOutcome(
+        name=name, status="fail" if problems else "pass", problems=problems, record=record
+    )
+
+
+def _not_applicable(name: str, reason: str) -> CheckOutcome:
+    return CheckOutcome(name=name, status="n-a", reason=reason)
+
+
+class CaseRuns:
+    """The runs a case's checks read, each made once, on first use. A run that raised raises
+    again for every check that reads it (without running again)."""
+
+    def __init__(
+        self,
+        case: Case,
+        env: Environment,
+        *,
+        update_golden: bool = False,
+        golden_variant: str | None = None,
+    ) -> None:
+        self.case = case
+        self.env = env
+        self.update_golden = update_golden
+        self.golden_variant = golden_variant or golden.variant(env.model_size)
+        self._made: dict[str, Any] = {}
+
+    def _once(self, name: str, make: Callable[[], Any]) -> Any:
+        if name not in self._made:
+            try:
+                self._made[name] = make()
+            except Exception as exc:
+                self._made[name] = _Raised(exc)
+        made = self._made[name]
+        if isinstance(made, _Raised):
+            raise made.error
+        return made
+
+    def case_run(self) -> CaseRun:
+        """The plain, hooks, offload and disabled runs (``harness.execute.run_case``)."""
+        return self._once("case", lambda: run_case(self.case, self.env))
+
+    def memory(self) -> MemoryResult:
+        """The memory reading runs (``harness.execute.run_memory``), CUDA only."""
+        from harness.execute import run_memory
+
+        return self._once("memory", lambda: run_memory(self.case, self.env))
+
+    def guarded(self) -> Any:
+        """The guarded training of the host-sync check: a ``GuardedRun``, or the
+        ``HostSyncError`` that stopped it."""
+        return self._once("sync", self._guarded_run)
+
+    def _guarded_run(self) -> Any:
+        from harness.syncguard import HostSyncError, run_guarded
+
+        run = self.case.run_spec().replace(steps=GUARDED_STEP + 1)
+        offloader = self.env.offloader(self.case.offload_config())
+        try:
+            return run_guarded(
+                self.env.spec(self.case), run, offloader, self.env.device, guarded={GUARDED_STEP}
+            )
+        except HostSyncError as exc:
+            return exc
+        finally:
+            offloader.close()
+
+
+@dataclass(frozen=True)
+class _Raised:
+    error: Exception
+
+
+# ------------------------------------------------------------------------------ the checks
+
+
+def _equivalence(runs: CaseRuns) -> CheckOutcome:
+    res = runs.case_run()
+    return _from_problems("equivalence", equivalence_problems(runs.case, res), **case_record(res))
+
+
+def _leaks(runs: CaseRuns) -> CheckOutcome:
+    res = runs.case_run()
+    if not res.offload.logs:
+        return CheckOutcome(
+            name="leaks", status="skip", reason="the backend under test keeps no iteration log"
+        )
+    return _from_problems("leaks", leak_problems(runs.case, res))
+
+
+def _transfers(runs: CaseRuns) -> CheckOutcome:
+    return _from_problems(
+        "transfers", transfer_problems(runs.case, runs.case_run(), runs.env.device)
+    )
+
+
+def _disabled(runs: CaseRuns) -> CheckOutcome:
+    return _from_problems("disabled", disabled_problems(runs.case_run()))
+
+
+def _fidelity(runs: CaseRuns) -> CheckOutcome:
+    spec = runs.env.spec(runs.case)
+    return _from_problems("fidelity", fidelity_problems(runs.case, runs.case_run(), spec))
+
+
+def _memory(runs: CaseRuns) -> CheckOutcome:
+    if runs.env.device.type != "cuda":
+        return _not_applicable("memory", "needs a CUDA device (the caching allocator's figures)")
+    reason = memory_unsupported(runs.case)
+    if reason is not None:
+        return _not_applicable("memory", reason)
+    res = runs.memory()
+    return _from_problems("memory", memory_problems(res), **memory_record(res))
+
+
+def _sync(runs: CaseRuns) -> CheckOutcome:
+    if runs.env.device.type != "cuda":
+        return _not_applicable("sync", "needs a CUDA device (host-device synchronisation)")
+    if runs.case.impl in MCORE_IMPLS:
+        return _not_applicable(
+            "sync",
+            "not guarded on megatron-core's models: their own modules drive megatron-core's "
+            "offloader, not the harness protocol the guard wraps (it is guarded on ours)",
+        )
+    from harness.syncguard import HostSyncError
+
+    res = runs.guarded()
+    if isinstance(res, HostSyncError):
+        message = f"the offloader synchronised the host with the device at {res}"
+        return _from_problems("sync", [message], host_sync=str(res))
+    windows = sum(res.windows.values())
+    return _from_problems("sync", res.problems(), host_sync=None, guarded_windows=windows)
+
+
+def _golden(runs: CaseRuns) -> CheckOutcome:
+    here = fingerprint.of(runs.env.device)
+    write = golden.update if runs.update_golden else golden.check
+    outcome = write(runs.case.name, runs.case_run().plain.losses, here, runs.golden_variant)
+    record = {"golden": outcome.record()}
+    if outcome.status == "missing":
+        return CheckOutcome(name="golden", status="skip", reason=outcome.message, record=record)
+    problems = [] if outcome.ok else [outcome.message]
+    return _from_problems("golden", problems, **record)
+
+
+CHECKS: dict[str, Callable[[CaseRuns], CheckOutcome]] = {
+    "equivalence": _equivalence,
+    "leaks": _leaks,
+    "transfers": _transfers,
+    "disabled": _disabled,
+    "fidelity": _fidelity,
+    "memory": _memory,
+    "sync": _sync,
+    "golden": _golden,
+}
+"""Every check, by name, in the order they run."""
+
+
+def check(name: str, runs: CaseRuns) -> CheckOutcome:
+    """Run one check (its runs' exceptions propagate)."""
+    return CHECKS[name](runs)
+
+
+# ------------------------------------------------------------------------------ the verdict
+
+
+@dataclass(frozen=True, kw_only=True)
+class Judgement:
+    """Every check of one case."""
+
+    case: Case
+    outcomes: tuple[CheckOutcome, ...]
+
+    @property
+    def verdict(self) -> str:
+        return "fail" if any(o.status == "fail" for o in self.outcomes) else "pass"
+
+    @property
+    def problems(self) -> list[str]:
+        return [f"{o.name}: {p}" for o in self.outcomes for p in o.problems]
+
+    def first_failure(self) -> CheckOutcome | None:
+        return next((o for o in self.outcomes if o.status == "fail"), None)
+
+    def record(self) -> dict[str, Any]:
+        """The case's report fields: every check's, then name, verdict, problems and the
+        per-check statuses."""
+        fields: dict[str, Any] = {}
+        for outcome in self.outcomes:
+            fields.update(outcome.record)
+        fields.update(
+            name=self.case.name,
+            verdict=self.verdict,
+            problems=self.problems,
+            checks={
+                o.name: {"status": o.status, **({"reason": o.reason} if o.reason else {})}
+                for o in self.outcomes
+            },
+        )
+        return fields
+
+
+def judge(
+    case: Case,
+    env: Environment,
+    *,
+    checks: Iterable[str] = tuple(CHECKS),
+    stop_at_first_failure: bool = False,
+    update_golden: bool = False,
+) -> Judgement:
+    """Run the checks on one case. A check whose runs raise fails with the exception's first
+    line (as its pytest case would); every check that reads the same run fails alike."""
+    runs = CaseRuns(case, env, update_golden=update_golden)
+    outcomes = []
+    for name in checks:
+        try:
+            outcome = check(name, runs)
+        except Exception as exc:
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            outcome = CheckOutcome(
+                name=name,
+                status="fail",
+                problems=(f"the case's runs raised {type(exc).__name__}: {text}",),
+            )
+        outcomes.append(outcome)
+        if stop_at_first_failure and outcome.status == "fail":
+            break
+    return Judgement(case=case, outcomes=tuple(outcomes))
