@@ -1,0 +1,109 @@
+"""The one judge (``harness.judge``): outcomes and verdicts, and the proof that pytest's case
+files and ``offload-harness run`` decide every check of a case identically (both run in
+subprocesses on one case, with a broken offloader and with the correct one)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.cases import find_case
+from harness.judge import CHECKS, CheckOutcome, Judgement
+from harness.report import CHECK_COLUMNS
+
+REPO = Path(__file__).resolve().parents[1]
+CASE = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
+CASE_TESTS = {
+    "equivalence": "cases/test_equivalence.py::test_loss_equivalence",
+    "leaks": "cases/test_equivalence.py::test_no_leaks",
+    "transfers": "cases/test_transfers.py::test_transfer_counts",
+    "disabled": "cases/test_transfers.py::test_disabled_moves_nothing",
+    "fidelity": "cases/test_transfers.py::test_name_fidelity",
+    "memory": "cases/test_memory.py::test_memory_after_forward",
+    "sync": "cases/test_sync.py::test_no_host_sync",
+    "golden": "cases/test_golden.py::test_golden_baseline",
+}
+"""The pytest test behind each of the judge's checks."""
+
+
+def test_every_check_has_a_case_test_and_a_column() -> None:
+    assert set(CASE_TESTS) == set(CHECKS)
+    assert [name for name, _ in CHECK_COLUMNS] == list(CHECKS)
+    for node in CASE_TESTS.values():
+        path, name = node.split("::")
+        assert f"def {name}(" in (REPO / path).read_text(), node
+
+
+def test_outcomes_and_verdict() -> None:
+    with pytest.raises(ValueError, match="check status must be one of"):
+        CheckOutcome(name="x", status="ok")
+    case = find_case(CASE)
+    passed = CheckOutcome(name="transfers", status="pass", record={"seconds": 1.0})
+    skipped = CheckOutcome(name="memory", status="n-a", reason="needs CUDA")
+    failed = CheckOutcome(name="golden", status="fail", problems=("drifted",))
+    ok = Judgement(case=case, outcomes=(passed, skipped))
+    assert ok.verdict == "pass" and ok.first_failure() is None and ok.problems == []
+    bad = Judgement(case=case, outcomes=(passed, skipped, failed))
+    assert bad.verdict == "fail" and bad.first_failure() is failed
+    record = bad.record()
+    assert record["problems"] == ["golden: drifted"] and record["seconds"] == 1.0
+    assert record["checks"]["memory"] == {"status": "n-a", "reason": "needs CUDA"}
+
+
+def _summary_checks(folder: Path) -> dict[str, str]:
+    """Each check's status in a report; a case test skipped before it ran (a ``gpu`` test on
+    CPU) has no check status, only its test outcome: read as ``skip``."""
+    (path,) = folder.glob("*/summary.json")
+    (case,) = [c for c in json.loads(path.read_text())["cases"] if c["name"] == CASE]
+    statuses = {name: c["status"] for name, c in case["checks"].items()}
+    for name, node in CASE_TESTS.items():
+        test = node.split("::")[1]
+        if name not in statuses and case.get("tests", {}).get(test) == "skipped":
+            statuses[name] = "skip"
+    return statuses
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.mark.parametrize("backend", ["broken.noop", "reference"])
+def test_pytest_and_run_decide_every_check_alike(backend: str, tmp_path: Path) -> None:
+    common = ["--backend", backend, "--device", "cpu"]
+    cli = _run(
+        ["-m", "harness", "run", "--case", CASE, *common, "--report-dir", str(tmp_path / "cli")],
+        REPO,
+    )
+    nodes = [f"{node}[{CASE}]" for node in CASE_TESTS.values()]
+    tests = _run(
+        [
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-q",
+            *nodes,
+            *common,
+            "--report-dir",
+            str(tmp_path / "pytest"),
+        ],
+        REPO,
+    )
+    failing = backend != "reference"
+    assert cli.returncode == (1 if failing else 0), cli.stdout + cli.stderr
+    assert tests.returncode == (1 if failing else 0), tests.stdout + tests.stderr
+    from_cli, from_pytest = _summary_checks(tmp_path / "cli"), _summary_checks(tmp_path / "pytest")
+    assert set(from_cli) == set(CHECKS)
+    # pytest reports n-a as a skip; otherwise the statuses are the same
+    assert {k: ("skip" if v == "n-a" else v) for k, v in from_cli.items()} == {
+        k: ("skip" if v == "n-a" else v) for k, v in from_pytest.items()
+    }
+    assert (from_cli["transfers"] == "fail") is failing
