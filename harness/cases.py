@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.offload.config import OffloadConfig
-from harness.spec import IMPLS, MCORE_IMPLS, ModelSpec, RunSpec, preset
-from harness.train import SHARDINGS
+from harness.spec import IMPLS, MCORE_IMPLS, SHARDINGS, ModelSpec, RunSpec, preset
 
 _PRESETS = {  # (family, size) -> preset name
     ("hybrid", "tiny"): "hybrid-tiny",

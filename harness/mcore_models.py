@@ -60,6 +60,7 @@ from harness.models.hybrid import INIT_STD, make_batches
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload, PassThroughGroup
 from harness.offload.protocol import Offloader
+from harness.runs import RunHooks, TrainResult
 from harness.spec import ModelSpec, RunSpec, gpt_layers
 
 ENVIRONMENT = {
@@ -413,14 +414,12 @@ def train(
     offloader: Offloader,
     device: torch.device,
     *,
-    hooks: Any,
+    hooks: RunHooks,
     keep_grads: bool,
     keep_final_state: bool,
     sharding: str,
-) -> Any:  # harness.train.TrainResult
+) -> TrainResult:
     """``harness.train.train`` for megatron-core's models (see the module docstring)."""
-    from harness.train import TrainResult
-
     if sharding != "none":
         raise ValueError("impl 'mcore' runs unsharded (megatron-core's DDP over the world)")
     if run.schedule != "sequential":
@@ -595,8 +594,6 @@ def _warm_process(spec: ModelSpec, run: RunSpec, device: torch.device) -> None:
     if key in _WARMED:
         return
     _WARMED.add(key)
-    from harness.train import RunHooks
-
     train(
         spec,
         run.replace(steps=1),

@@ -244,6 +244,8 @@ Schedule = Literal["sequential", "gpipe", "1f1b"]
 Precision = Literal["fp32", "bf16"]
 SCHEDULES: tuple[str, ...] = ("sequential", "gpipe", "1f1b")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+SHARDINGS: tuple[str, ...] = ("none", "zero3")
+"""How the runner shards the model: ``none`` or flat ZeRO-3 through FSDP2 (``harness.train``)."""
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd")
 
 

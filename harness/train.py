@@ -25,21 +25,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import torch
 
 from harness import distributed
 from harness.models.hybrid import HybridModel, build_model, loss_fn, make_batches
-from harness.offload.protocol import IterationLog, Offloader
-from harness.spec import MCORE_IMPLS, ModelSpec, RunSpec
+from harness.offload.protocol import Offloader
+from harness.runs import RunHooks, TrainResult
+from harness.spec import MCORE_IMPLS, SHARDINGS, ModelSpec, RunSpec
 
 # cuBLAS reads this once, when its handle is created: set it before any CUDA matmul.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SHARDINGS = ("none", "zero3")
 
 
 def schedule_order(schedule: str, microbatches: int) -> list[tuple[str, int]]:
@@ -55,31 +54,6 @@ def schedule_order(schedule: str, microbatches: int) -> list[tuple[str, int]]:
             order += [("F", mb), ("B", mb - 1)]
         return [*order, ("B", M - 1)]
     raise ValueError(f"unknown schedule {schedule!r}; known: sequential, gpipe, 1f1b")
-
-
-@dataclass(kw_only=True)
-class RunHooks:
-    """Optional callbacks into a run (for profiling and memory cases)."""
-
-    step_context: Callable[[int], contextlib.AbstractContextManager[object]] | None = None
-    """Context manager wrapped around each whole step (e.g. a profiler for the last one)."""
-    after_forward: Callable[[int, int], None] | None = None
-    """Called with (step, microbatch) right after each forward."""
-
-
-@dataclass(kw_only=True)
-class TrainResult:
-    """What a run produced."""
-
-    losses: torch.Tensor
-    """[steps, microbatches] fp32 losses on the CPU."""
-    logs: list[IterationLog]
-    """The offloader's per-iteration accounting ([] for baselines)."""
-    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    """Per step, every parameter's accumulated gradient before clipping (if kept), on the
-    device (cloned there, so a profiled step has no copy traffic)."""
-    final_state: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Parameters after the last step (CPU copies)."""
 
 
 def _set_deterministic(mode: bool, *, warn_only: bool = False) -> None:

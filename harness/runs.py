@@ -1,0 +1,38 @@
+"""What a training run takes besides its specs and what it produces: shared by the runner for
+our models (``harness.train``) and the one for megatron-core's (``harness.mcore_models``), so
+neither imports the other for them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.offload.protocol import IterationLog
+
+
+@dataclass(kw_only=True)
+class RunHooks:
+    """Optional callbacks into a run (for profiling and memory cases)."""
+
+    step_context: Callable[[int], contextlib.AbstractContextManager[object]] | None = None
+    """Context manager wrapped around each whole step (e.g. a profiler for the last one)."""
+    after_forward: Callable[[int, int], None] | None = None
+    """Called with (step, microbatch) right after each forward."""
+
+
+@dataclass(kw_only=True)
+class TrainResult:
+    """What a run produced."""
+
+    losses: torch.Tensor
+    """[steps, microbatches] fp32 losses on the CPU."""
+    logs: list[IterationLog]
+    """The offloader's per-iteration accounting ([] for baselines)."""
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Per step, every parameter's accumulated gradient before clipping (if kept), on the
+    device (cloned there, so a profiled step has no copy traffic)."""
+    final_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Parameters after the last step (CPU copies)."""
