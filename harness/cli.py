@@ -137,13 +137,10 @@ def _case_flags(group: argparse._ArgumentGroup) -> None:
 
 
 _DEFAULTS: dict[str, Any] = {
-    "steps": 6,
-    "microbatches": 2,
-    "schedule": "sequential",
-    "precision": "fp32",
-    "max_inflight": 1,
+    name: Case.__dataclass_fields__[name].default
+    for name in ("steps", "microbatches", "schedule", "precision", "max_inflight")
 }
-"""Custom-case values when a flag is not given."""
+"""Custom-case values when a flag is not given: the case table's own defaults."""
 
 
 def _device(value: str) -> torch.device:
@@ -209,8 +206,16 @@ def _select(args: argparse.Namespace) -> list[Case]:
         if args.case:
             raise UsageError("--case and --pattern/--offload are exclusive")
         return [_custom_case(args)]
-    if args.case:
-        return [find_case(args.case)]
+    if args.case:  # the row with the flags' overrides, as repro applies them
+        try:
+            return [find_case(args.case).replace(**_overrides(args))]
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    if _overrides(args):
+        raise UsageError(
+            "--steps/--microbatches/--schedule/--precision/--max-inflight apply to one case "
+            "(--case, or --pattern with --offload), not to the whole matrix"
+        )
     return matrix(args.matrix, args.family)
 
 

@@ -134,7 +134,8 @@ class CaseRun:
     observations: list[GroupObservation]
     """What each group saved (one iteration of the hooks baseline)."""
     expected: dict[GroupKey, Expected]
-    """Steady-state prediction per group occurrence."""
+    """Prediction per group occurrence for the final step: the steady state, or the warmup
+    when the run has one step."""
     counts: TransferCounts
     """Profiler counts of the final step."""
     logged: dict[GroupKey, dict[str, int]] | None
@@ -207,9 +208,10 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     hooks = train(spec, run, recorder, env.device, sharding=case.sharding)
     observations = recorder.iterations[int(run.eval_first)]  # the first training iteration
     order = schedule_order(run.schedule, run.microbatches)
-    _, steady = predict(observations, config, order, env.semantics)
+    warmup, steady = predict(observations, config, order, env.semantics)
     sink: list[TransferCounts] = []
     last = run.steps - 1
+    final = warmup if last == 0 else steady  # a one-step run's final step is its warmup
     with _closing(env.offloader(config)) as offloader:
         offload = train(
             spec,
@@ -241,7 +243,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         warmup_transfers=sink[0],
         proof_problems=offload_proof(case, spec, sink[0], run.microbatches),
         observations=observations,
-        expected=steady,
+        expected=final,
         counts=sink[-1],
         logged=log_by_group(offload.logs[-1].groups) if offload.logs else None,
         disabled=disabled[0],
@@ -361,7 +363,9 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
     order = schedule_order(run.schedule, run.microbatches)
     last_forward = max(i for i, (kind, _) in enumerate(order) if kind == "F")
     observations = record_observations(case, env)
-    _, steady = predict(observations, config, order, env.semantics)
+    warmup, steady = predict(observations, config, order, env.semantics)
+    if run.steps == 1:  # the final step is the warmup
+        steady = warmup
     early = prefetched_before(observations, steady, order, last_forward)
     on_host = {
         k: (e if k not in early else dataclasses.replace(e, decision="prefetched"))

@@ -87,6 +87,10 @@ BAD_INPUT = {
     "bad-steps": [*CUSTOM, "--steps", "two"],
     "bad-matrix": ["cases", "--matrix", "huge"],
     "update-golden-custom": [*ONE_LAYER, "--update-golden"],
+    "overrides-on-the-matrix": ["run", "--device", "cpu", "--steps", "2"],
+    "bad-override-of-a-row": [
+        *("run", "--device", "cpu", "--case", default_matrix()[0].name, "--microbatches", "0")
+    ],
 }
 
 
@@ -552,3 +556,22 @@ def test_mutation_score_repeat_correct_prints_times(
     assert sum(f"FALSE ALARM {alarm}: boom" in line for line in lines) == 2
     assert lines[-1].startswith("false alarms: 2 in 2 passes (6 case runs, ")
     assert "s wall: " in lines[-1] and "s per pass" in lines[-1] and "s per case run" in lines[-1]
+
+
+def test_case_row_takes_the_flags_overrides(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``run --case ID`` applies --steps/--microbatches/--precision/--schedule as repro does
+    (they were silently ignored), and a one-step run's final step is judged as the warmup."""
+    row = next(c for c in default_matrix() if c.precision == "bf16" and c.sharding == "none")
+    flags = ("--steps", "1", "--microbatches", "1", "--precision", "fp32", "--schedule", "1f1b")
+    code = main(
+        ["run", "--device", "cpu", "--case", row.name, *flags, "--report-dir", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    (case,) = _only_summary(tmp_path)["cases"]
+    changed = row.replace(steps=1, microbatches=1, precision="fp32", schedule="1f1b")
+    assert case["name"] == changed.name != row.name
+    assert torch.tensor(case["losses"]["plain"]).shape == (1, 1)
+    assert case["checks"]["transfers"]["status"] == "pass"
