@@ -7,6 +7,7 @@ Folder names: ``reports/<UTC time>_<git sha>[_dirty]/``.
 from __future__ import annotations
 
 import datetime as dt
+import importlib.metadata
 import json
 import platform
 import subprocess
@@ -16,7 +17,15 @@ from xml.etree import ElementTree
 
 import torch
 
-HARNESS_VERSION = "0.1.0"
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("offload-harness")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
+
+
+HARNESS_VERSION = _version()
 
 
 def _git(*args: str) -> str | None:
