@@ -111,7 +111,7 @@ def unavailable_reason(device: torch.device | str) -> str | None:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             return (
                 f"impl 'mcore' needs TransformerEngine and megatron-core "
-                f"(../shared/gpu/README.md): import {module} failed: {first}"
+                f"(docs/megatron-core.md): import {module} failed: {first}"
             )
     return None
 

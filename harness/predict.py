@@ -3,7 +3,8 @@
 The oracle for the transfer cases. Its inputs are what the ``hooks`` backend recorded (every
 tensor autograd saved inside each group, with shape, strides and storage size), the offload
 configuration and the schedule. It never reads an offloader's own log, and it restates Megatron's
-rules (``../shared/reference/megatron-offload.md`` §1.3, §1.5, §1.6) in its own words:
+rules (Megatron-Core's fine-grained activation offloading: which tensors a group tracks, the
+margin, last-of-name and fraction policies) in its own words:
 
     tracked    on the model's device, not a parameter (or a storage marked not-offloadable)
     eligible   tracked, numel > 0 and numel >= min_offloaded_tensor_size

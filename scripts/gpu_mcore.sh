@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # megatron-core's own models (family mcore) on a GPU box where TransformerEngine and megatron-core
-# import (../shared/gpu/README.md installs both). In order, each section with its own time limit
+# import (docs/megatron-core.md says how to install both). In order, each section with its own time limit
 # so one slow part cannot eat the others' output:
 #   seed        the seed case through `offload-harness run` with megatron-core's offloader
 #   seed-delays the same with race-provocation delays on its streams (mcore+delays)

@@ -9,7 +9,7 @@ stand-in shows the same effect: a copy that is *deferred* until something waits 
 copy still in flight.
 
 ``CATALOGUE`` lists every broken backend with its bug class, the real-world report it
-reproduces (``../shared/reference/bugs-and-peer-tests.md``), whether CPU can show it, and the
+reproduces (a public bug report or a peer test's blind spot), whether CPU can show it, and the
 default-matrix cases and checks that catch it (catchers first, in the order to try them).
 ``scripts/mutation_score`` and ``tests/test_detection.py`` read it.
 """
