@@ -88,9 +88,9 @@ def test_catalogue_is_registered_and_consistent() -> None:
         assert describe(entry.name).startswith("broken: ")
         assert entry.factory.__doc__ and entry.bug_class and entry.reference
         assert entry.catchers or entry.needs, f"{entry.name}: no catcher and no stated need"
-        for check, case_id in entry.catchers:
+        for check, case in entry.catchers:
             assert check in broken.CHECKS, (entry.name, check)
-            assert case_id in default_ids, f"{entry.name}: {case_id} is not a default case"
+            assert case.name in default_ids, f"{entry.name}: {case.name} is not a default case"
     assert broken.entry("broken.noop").factory is broken.NoOp
     with pytest.raises(ValueError, match="unknown broken backend"):
         broken.entry("broken.nothing")

@@ -78,8 +78,8 @@ def _param(entry: BrokenBackend) -> object:
 def _catcher_nodes(entry: BrokenBackend, device: torch.device) -> list[str]:
     """The pytest node ids of the case tests that must catch ``entry`` on ``device``."""
     return [
-        f"{REPO}/{CASE_TESTS[check]}[{case_id}]"
-        for check, case_id in entry.catchers
+        f"{REPO}/{CASE_TESTS[check]}[{case.name}]"
+        for check, case in entry.catchers
         if device.type == "cuda" or check not in ("memory", "sync")
     ]
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from harness.cases import Case
 from harness.offload.config import OffloadConfig
 from harness.offload.policy import apply_delta, apply_margin, fraction_disabled_count, summarize
 from harness.offload.pool import HostBufferPool
@@ -551,8 +552,8 @@ class BrokenBackend:
     """The real-world report(s) it reproduces."""
     cpu: bool
     """Whether the class can show on CPU at all (False: CUDA only)."""
-    catchers: tuple[tuple[str, str], ...] = ()
-    """(check, default-matrix case id) pairs that catch it, in the order to try them."""
+    catchers: tuple[tuple[str, Case], ...] = ()
+    """(check, default-matrix row) pairs that catch it, in the order to try them."""
     needs: str = ""
     """When the default matrix cannot show it: the row or run feature it needs."""
     cuda_delays: RaceDelays = NO_DELAYS
@@ -567,17 +568,33 @@ class BrokenBackend:
         return f"{self.bug_class} - {self.reference}"
 
 
-# Default-matrix case ids the catalogue names (tests/test_broken.py checks they exist).
-SEED = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
-ATTENTION_1F1B = "hybrid-+-+-+-_attn_norm+qkv_linear+core_attn+attn_proj_1f1b_fp32_inflight-none"
-MOE_ACT_1F1B = "moe-*E*E_moe_act_1f1b_fp32_inflight-0"
-MOE_ACT_SEQ = "hybrid-moe-+E+-+E_moe_act_sequential_bf16_inflight-0"
-MOE_EVERYTHING = (
-    "moe-*E*E_qkv_linear+core_attn+attn_proj+mlp_norm+expert_fc1+moe_act_sequential_bf16"
+# The default-matrix rows the catalogue names, by their fields (a row's id is derived from them;
+# tests/test_broken.py checks that each is a row of the default matrix).
+SEED = Case(family="hybrid", offload=("core_attn", "attn_proj"), precision="bf16")
+ATTENTION_1F1B = Case(
+    family="hybrid",
+    offload=("attn_norm", "qkv_linear", "core_attn", "attn_proj"),
+    schedule="1f1b",
+    max_inflight=None,
 )
-EXPERTS_SEQ = "moe-*E*E_expert_fc1+moe_act_sequential_fp32_inflight-none"
-ATTENTION_1F1B_3MB = "hybrid-+-+-+-_core_attn+attn_proj_1f1b_bf16_6x3"
-EVAL_FIRST = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16_evalfirst"
+MOE_ACT_1F1B = Case(family="moe", offload=("moe_act",), schedule="1f1b", max_inflight=0)
+MOE_ACT_SEQ = Case(family="hybrid-moe", offload=("moe_act",), precision="bf16", max_inflight=0)
+MOE_EVERYTHING = Case(
+    family="moe",
+    offload=("qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"),
+    precision="bf16",
+)
+EXPERTS_SEQ = Case(family="moe", offload=("expert_fc1", "moe_act"), max_inflight=None)
+ATTENTION_1F1B_3MB = Case(
+    family="hybrid",
+    offload=("core_attn", "attn_proj"),
+    schedule="1f1b",
+    precision="bf16",
+    microbatches=3,
+)
+EVAL_FIRST = Case(
+    family="hybrid", offload=("core_attn", "attn_proj"), precision="bf16", eval_first=True
+)
 
 CATALOGUE: tuple[BrokenBackend, ...] = (
     BrokenBackend(
