@@ -7,6 +7,7 @@
     offload-harness repro --case ID [--bisect]   # reproduce one case, localise a divergence
     offload-harness cases [--matrix full]     # the case ids
     offload-harness backends                  # backend names and descriptions
+    offload-harness bench | mutation-score | nightly | host-profile ...   # the tools
 
 A run writes ``<--report-dir>/<UTC time>_<sha>[_dirty]/``: summary.json, junit.xml, index.html
 and plots. Bad input is one line on stderr and exit code 2; a failing case (or a divergence
@@ -16,6 +17,7 @@ under ``repro``) is exit code 1.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import multiprocessing
 import os
@@ -56,6 +58,7 @@ from harness.report import (
 )
 from harness.repro import ReproSpec, reproduce
 from harness.spec import MCORE_IMPLS, PRECISIONS, PRESETS, SCHEDULES, parse_pattern, preset
+from harness.tools import TOOLS
 
 
 class UsageError(Exception):
@@ -101,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--matrix", default="default", choices=tuple(MATRICES))
     _family_flag(listing)
     sub.add_parser("backends", help="list backend names, one line each with a description")
+    for name, module in TOOLS.items():  # their own parsers take the rest of the line
+        sub.add_parser(name, help=f"the {name} tool ({module}; --help for its options)")
     return parser
 
 
@@ -420,6 +425,9 @@ def command_repro(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:
+        return importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
     try:
         args = _parser().parse_args(argv)
         if args.command == "cases":

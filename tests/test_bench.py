@@ -5,6 +5,7 @@ the GPU run is the real benchmark.)"""
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -13,12 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from harness.testing.scripts import load_script
-
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return load_script("bench")
+    return importlib.import_module("harness.tools.bench")
 
 
 def test_cpu_smoke_run_writes_every_variant(
@@ -163,7 +162,7 @@ def test_rounds_zero_is_an_argparse_error(
         bench.main(["--device", "cpu", "--rounds", "0"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == "scripts/bench: error: argument --rounds: must be >= 1, got 0", err
+    assert err[-1] == "offload-harness bench: error: argument --rounds: must be >= 1, got 0", err
     assert sum("error" in line for line in err) == 1
 
 

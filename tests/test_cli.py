@@ -8,6 +8,7 @@ real passing run (report on disk) and one failing run whose backend corrupts eve
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -446,9 +447,7 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
 
 @pytest.fixture(scope="module")
 def mutation_score() -> Any:
-    from harness.testing.scripts import load_script
-
-    return load_script("mutation_score")
+    return importlib.import_module("harness.tools.mutation_score")
 
 
 @pytest.mark.parametrize(
@@ -575,3 +574,24 @@ def test_case_row_takes_the_flags_overrides(
     assert case["name"] == changed.name != row.name
     assert torch.tensor(case["losses"]["plain"]).shape == (1, 1)
     assert case["checks"]["transfers"]["status"] == "pass"
+
+
+@pytest.mark.parametrize("tool", ["bench", "mutation-score", "nightly", "host-profile"])
+def test_tools_are_subcommands(tool: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([tool, "--help"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: offload-harness {tool} ")
+
+
+@pytest.mark.parametrize("script", ["bench", "mutation_score", "nightly", "host_profile"])
+def test_script_wrappers_call_the_tools(script: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: offload-harness {script.replace('_', '-')} ")

@@ -3,6 +3,7 @@ that ``pstats`` reads; bad input is one line and exit code 2."""
 
 from __future__ import annotations
 
+import importlib
 import pstats
 from pathlib import Path
 from types import ModuleType
@@ -12,13 +13,12 @@ import pytest
 from harness.offload.config import OffloadConfig
 from harness.offload.reference import OffloadContext
 from harness.spec import RunSpec
-from harness.testing.scripts import load_script
 from harness.train import train
 
 
 @pytest.fixture(scope="module")
 def host_profile() -> ModuleType:
-    return load_script("host_profile")
+    return importlib.import_module("harness.tools.host_profile")
 
 
 def test_cpu_profile_of_the_reference(
@@ -36,7 +36,7 @@ def test_cpu_profile_of_the_reference(
     (calls,) = [v[0] for k, v in stats.stats.items() if k[2] == "_offload"]  # type: ignore[attr-defined]
     # The profile covers the steady steps only: as many offloads as the reference's own log
     # shows for steps 1-2 of the same run (the warmup step 0 offloads more groups).
-    bench = load_script("bench")
+    bench = importlib.import_module("harness.tools.bench")
     model = bench.bench_model("hybrid-tiny")
     config = OffloadConfig(
         offload_modules=bench.selection(model, None), min_offloaded_tensor_size=1024

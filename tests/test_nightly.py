@@ -4,6 +4,7 @@ the command it launches (torchrun on GPUs, xdist on CPU). The script runs end to
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -12,12 +13,11 @@ from typing import Any
 import pytest
 
 from harness.cases import Case, default_matrix
-from harness.testing.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def nightly() -> ModuleType:
-    return load_script("nightly")
+    return importlib.import_module("harness.tools.nightly")
 
 
 def _summary(**changes: Any) -> dict[str, Any]:

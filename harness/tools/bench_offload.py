@@ -14,7 +14,8 @@ Both measurements include everything the host enqueues, so the ratio is the offl
 overhead. Prints a table and, with --json, writes the figures. Needs CUDA. ``scripts/bench``
 imports ``raw_rates`` and ``offload_rates`` for its copy-bound figures.
 
-    python scripts/bench_offload.py [--min-mib 1] [--max-mib 1024] [--repeats 5] [--json out.json]
+    python -m harness.tools.bench_offload [--min-mib 1] [--max-mib 1024] [--repeats 5] \
+        [--json out.json]
 """
 
 from __future__ import annotations

@@ -1,0 +1,12 @@
+"""The harness's tools beside ``run`` and ``repro``, each a module with ``main(argv)`` and an
+``offload-harness`` subcommand: ``bench`` (step time and copy rates), ``mutation-score``
+(detection power), ``nightly`` (the gate) and ``host-profile`` (cProfile of steady steps).
+``scripts/`` keeps thin wrappers of the same names."""
+
+TOOLS = {
+    "bench": "harness.tools.bench",
+    "mutation-score": "harness.tools.mutation_score",
+    "nightly": "harness.tools.nightly",
+    "host-profile": "harness.tools.host_profile",
+}
+"""Subcommand -> module."""
