@@ -225,6 +225,18 @@ CHECKS: dict[str, Callable[[CaseRuns], CheckOutcome]] = {
 }
 """Every check, by name, in the order they run."""
 
+CASE_TESTS: dict[str, str] = {
+    "equivalence": "cases/test_equivalence.py::test_loss_equivalence",
+    "leaks": "cases/test_equivalence.py::test_no_leaks",
+    "transfers": "cases/test_transfers.py::test_transfer_counts",
+    "disabled": "cases/test_transfers.py::test_disabled_moves_nothing",
+    "fidelity": "cases/test_transfers.py::test_name_fidelity",
+    "memory": "cases/test_memory.py::test_memory_after_forward",
+    "sync": "cases/test_sync.py::test_no_host_sync",
+    "golden": "cases/test_golden.py::test_golden_baseline",
+}
+"""The pytest test of the repository's ``cases/`` that runs each check (relative to the root)."""
+
 
 def check(name: str, runs: CaseRuns) -> CheckOutcome:
     """Run one check (its runs' exceptions propagate)."""

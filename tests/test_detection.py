@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from fixtures.options import Settings
+from harness.judge import CASE_TESTS
 from harness.offload.broken import CATALOGUE, NO_DELAYS, BrokenBackend
 from harness.offload.reference import RaceDelays
 from harness.spec import ALL_GROUP_NAMES
@@ -29,17 +30,6 @@ from harness.spec import ALL_GROUP_NAMES
 pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parents[1]
-
-CASE_TESTS = {
-    "equivalence": "cases/test_equivalence.py::test_loss_equivalence",
-    "leaks": "cases/test_equivalence.py::test_no_leaks",
-    "transfers": "cases/test_transfers.py::test_transfer_counts",
-    "disabled": "cases/test_transfers.py::test_disabled_moves_nothing",
-    "fidelity": "cases/test_transfers.py::test_name_fidelity",
-    "memory": "cases/test_memory.py::test_memory_after_forward",
-    "sync": "cases/test_sync.py::test_no_host_sync",
-}
-"""The pytest test behind each catalogue check name."""
 
 NAMES_A_GROUP = re.compile(r"\b(" + "|".join(ALL_GROUP_NAMES) + r")\b")
 

@@ -12,22 +12,11 @@ from pathlib import Path
 import pytest
 
 from harness.cases import find_case
-from harness.judge import CHECKS, CheckOutcome, Judgement
+from harness.judge import CASE_TESTS, CHECKS, CheckOutcome, Judgement
 from harness.report import CHECK_COLUMNS
 
 REPO = Path(__file__).resolve().parents[1]
 CASE = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
-CASE_TESTS = {
-    "equivalence": "cases/test_equivalence.py::test_loss_equivalence",
-    "leaks": "cases/test_equivalence.py::test_no_leaks",
-    "transfers": "cases/test_transfers.py::test_transfer_counts",
-    "disabled": "cases/test_transfers.py::test_disabled_moves_nothing",
-    "fidelity": "cases/test_transfers.py::test_name_fidelity",
-    "memory": "cases/test_memory.py::test_memory_after_forward",
-    "sync": "cases/test_sync.py::test_no_host_sync",
-    "golden": "cases/test_golden.py::test_golden_baseline",
-}
-"""The pytest test behind each of the judge's checks."""
 
 
 def test_every_check_has_a_case_test_and_a_column() -> None:
