@@ -52,6 +52,7 @@ from harness.offload.backends import (
 )
 from harness.report import (
     run_folder,
+    summary_text,
     verdict_table,
     write_junit,
     write_summary,
@@ -128,7 +129,11 @@ def _where_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--model-size", default="auto", choices=("auto", *MODEL_SIZES))
-    parser.add_argument("--report-dir", default="reports", help="parent of the report folder")
+    parser.add_argument(
+        "--report-dir",
+        default="reports",
+        help="parent of the report folder (default: reports; '' writes none)",
+    )
 
 
 def _case_flags(group: argparse._ArgumentGroup) -> None:
@@ -334,21 +339,23 @@ def command_run(args: argparse.Namespace) -> int:
     jobs = _jobs(args.jobs, env.device, len(cases))
     start = time.perf_counter()
     records = _run_all(cases, env, jobs, args.update_golden)
-    folder = run_folder(Path(args.report_dir))
-    path = write_summary(
-        folder,
-        records,
+    fields: dict[str, Any] = dict(
         backend=args.backend,
         device=str(env.device),
         matrix=args.matrix if not (args.case or args.pattern or args.offload) else None,
         model_size=env.model_size,
         seconds=round(time.perf_counter() - start, 2),
     )
-    summary = json.loads(path.read_text())
-    write_junit(folder, summary)
-    began = time.perf_counter()
-    index = render_index(folder)
-    rendered = time.perf_counter() - began
+    if args.report_dir:
+        folder = run_folder(Path(args.report_dir))
+        summary = json.loads(write_summary(folder, records, **fields).read_text())
+        write_junit(folder, summary)
+        began = time.perf_counter()
+        index = render_index(folder)
+        where = f"report: {index} (rendered in {time.perf_counter() - began:.1f}s)"
+    else:  # '' writes none, as in pytest
+        summary = json.loads(summary_text(records, **fields))
+        where = "no report (--report-dir '')"
     print()
     print(verdict_table(summary))
     for case in summary["cases"]:
@@ -363,8 +370,7 @@ def command_run(args: argparse.Namespace) -> int:
         )
     failed = sum(c["verdict"] != "pass" for c in summary["cases"])
     print(
-        f"\n{len(cases) - failed}/{len(cases)} cases passed in {summary['seconds']:.1f}s; "
-        f"report: {index} (rendered in {rendered:.1f}s)"
+        f"\n{len(cases) - failed}/{len(cases)} cases passed in {summary['seconds']:.1f}s; {where}"
     )
     return 1 if failed else 0
 

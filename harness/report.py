@@ -94,8 +94,8 @@ def run_folder(root: Path, name: str | None = None) -> Path:
         return folder
 
 
-def write_summary(folder: Path, cases: list[dict[str, Any]], **extra: Any) -> Path:
-    """Write ``summary.json`` into ``folder``; returns its path."""
+def summary_text(cases: list[dict[str, Any]], **extra: Any) -> str:
+    """The JSON text of a session summary: version, time, machine, commit, ``extra``, cases."""
     summary = {
         "harness_version": HARNESS_VERSION,
         "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -104,8 +104,13 @@ def write_summary(folder: Path, cases: list[dict[str, Any]], **extra: Any) -> Pa
         **extra,
         "cases": cases,
     }
+    return json.dumps(summary, indent=2, sort_keys=False, default=str) + "\n"
+
+
+def write_summary(folder: Path, cases: list[dict[str, Any]], **extra: Any) -> Path:
+    """Write ``summary.json`` into ``folder``; returns its path."""
     path = folder / "summary.json"
-    path.write_text(json.dumps(summary, indent=2, sort_keys=False, default=str) + "\n")
+    path.write_text(summary_text(cases, **extra))
     return path
 
 

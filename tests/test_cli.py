@@ -595,3 +595,14 @@ def test_script_wrappers_call_the_tools(script: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"usage: offload-harness {script.replace('_', '-')} ")
+
+
+def test_empty_report_dir_writes_no_report(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--report-dir ''`` means no report, as in pytest (it meant the current folder)."""
+    monkeypatch.chdir(tmp_path)
+    assert main([*ONE_LAYER, "--report-dir", ""]) == 0
+    out = capsys.readouterr().out
+    assert "1/1 cases passed" in out and "no report (--report-dir '')" in out
+    assert list(tmp_path.iterdir()) == []
