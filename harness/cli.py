@@ -179,6 +179,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _row_with_overrides(args: argparse.Namespace) -> Case:
+    """The ``--case`` row with the fields the flags set (``run`` and ``repro`` alike)."""
+    return find_case(args.case).replace(**_overrides(args))
+
+
 def _family(pattern: str, names: tuple[str, ...]) -> str:
     if "fused_group_mlp" in names:
         return "moe-fused"
@@ -216,9 +221,9 @@ def _select(args: argparse.Namespace) -> list[Case]:
         if args.case:
             raise UsageError("--case and --pattern/--offload are exclusive")
         return [_custom_case(args)]
-    if args.case:  # the row with the flags' overrides, as repro applies them
+    if args.case:
         try:
-            return [find_case(args.case).replace(**_overrides(args))]
+            return [_row_with_overrides(args)]
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     if _overrides(args):
@@ -381,7 +386,7 @@ def _repro_spec(args: argparse.Namespace) -> ReproSpec:
         if args.case:
             if args.pattern or args.offload or args.preset:
                 raise UsageError("--case and --pattern/--preset/--offload are exclusive")
-            case = find_case(args.case).replace(**_overrides(args))
+            case = _row_with_overrides(args)
             model = env.spec(case)
         elif args.preset:
             model = preset(args.preset)

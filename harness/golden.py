@@ -157,28 +157,26 @@ class GoldenCheck:
         }
 
 
-def _candidates(root: Path, here: Fingerprint, variant_name: str, case_name: str) -> list[Path]:
-    """Golden files of the case in folders whose recorded fields this machine fits: its own
-    folder first, then partial ones (recorded before fingerprints) in name order."""
-    own = golden_path(here.id, variant_name, case_name, root)
-    found = [own] if own.is_file() else []
+def _other_traces(
+    root: Path, here: Fingerprint, variant_name: str, case_name: str
+) -> list[tuple[Path, Fingerprint]]:
+    """The case's golden files in other machines' folders, each with its folder's fingerprint,
+    in folder-name order."""
+    found = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and p.name != here.id):
         path = golden_path(folder.name, variant_name, case_name, root)
         if path.is_file():
-            recorded = read_fingerprint(folder)
-            if recorded.partial and recorded.fits(here):
-                found.append(path)
+            found.append((path, read_fingerprint(folder)))
     return found
 
 
-def _elsewhere(root: Path, here: Fingerprint, variant_name: str, case_name: str) -> str:
+def _elsewhere(others: list[tuple[Path, Fingerprint]], here: Fingerprint) -> str:
     """Which other machines have a trace of this case, and how they differ from this one."""
-    others = []
-    for folder in sorted(p for p in root.iterdir() if p.is_dir() and p.name != here.id):
-        if golden_path(folder.name, variant_name, case_name, root).is_file():
-            diff = "; ".join(read_fingerprint(folder).differences(here, keyed_only=True))
-            others.append(f"{folder.name} ({diff})" if diff else folder.name)
-    return f"; traces of this case exist for: {', '.join(others)}" if others else ""
+    listed = []
+    for path, recorded in others:
+        diff = "; ".join(recorded.differences(here, keyed_only=True))
+        listed.append(f"{path.parents[1].name} ({diff})" if diff else path.parents[1].name)
+    return f"; traces of this case exist for: {', '.join(listed)}" if listed else ""
 
 
 def _missing(here: Fingerprint, path: Path | None, why: str, extra: str = "") -> GoldenCheck:
@@ -209,9 +207,13 @@ def check(
         )
     own = golden_path(here.id, variant_name, case_name, root)
     try:
-        candidates = _candidates(root, here, variant_name, case_name)
+        others = _other_traces(root, here, variant_name, case_name)
+        # This machine's own folder first, then partial ones (recorded before fingerprints)
+        # whose recorded fields it fits.
+        candidates = [own] if own.is_file() else []
+        candidates += [path for path, fp in others if fp.partial and fp.fits(here)]
         if not candidates:
-            return _missing(here, own, "", _elsewhere(root, here, variant_name, case_name))
+            return _missing(here, own, "", _elsewhere(others, here))
         unconfirmed = []
         for path in candidates:
             text = path.read_text()

@@ -65,6 +65,15 @@ class CheckOutcome:
         if self.status not in STATUSES:
             raise ValueError(f"check status must be one of {STATUSES}; got {self.status!r}")
 
+    def status_record(self) -> dict[str, str]:
+        """The report's entry for this check: its status, and the reason if there is one."""
+        return {"status": self.status, **({"reason": self.reason} if self.reason else {})}
+
+
+def raised(exc: Exception) -> str:
+    """The problem of a check whose runs raised: the exception's type and message."""
+    return f"the case's runs raised {type(exc).__name__}: {exc}"
+
 
 def _from_problems(name: str, problems: Iterable[str], **record: Any) -> CheckOutcome:
     problems = tuple(problems)
@@ -274,10 +283,7 @@ class Judgement:
             name=self.case.name,
             verdict=self.verdict,
             problems=self.problems,
-            checks={
-                o.name: {"status": o.status, **({"reason": o.reason} if o.reason else {})}
-                for o in self.outcomes
-            },
+            checks={o.name: o.status_record() for o in self.outcomes},
         )
         return fields
 
@@ -290,20 +296,15 @@ def judge(
     stop_at_first_failure: bool = False,
     update_golden: bool = False,
 ) -> Judgement:
-    """Run the checks on one case. A check whose runs raise fails with the exception's first
-    line (as its pytest case would); every check that reads the same run fails alike."""
+    """Run the checks on one case. A check whose runs raise fails with the exception (as its
+    pytest case would); every check that reads the same run fails alike."""
     runs = CaseRuns(case, env, update_golden=update_golden)
     outcomes = []
     for name in checks:
         try:
             outcome = check(name, runs)
         except Exception as exc:
-            text = str(exc).splitlines()[0] if str(exc) else ""
-            outcome = CheckOutcome(
-                name=name,
-                status="fail",
-                problems=(f"the case's runs raised {type(exc).__name__}: {text}",),
-            )
+            outcome = CheckOutcome(name=name, status="fail", problems=(raised(exc),))
         outcomes.append(outcome)
         if stop_at_first_failure and outcome.status == "fail":
             break
