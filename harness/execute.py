@@ -24,7 +24,7 @@ import torch
 
 from harness.cases import Case
 from harness.compare import Verdict, first_tensor_difference, verdict
-from harness.offload.backends import resolve_backend
+from harness.offload.backends import capabilities, resolve_backend
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import GroupRecord, Offloader
@@ -64,7 +64,7 @@ class Environment:
     def semantics(self) -> Semantics:
         """The backend's version-dependent copy rules (its factory's ``semantics``, default
         Megatron-Core main's), for the prediction."""
-        return getattr(resolve_backend(self.backend), "semantics", None) or MEGATRON_MAIN
+        return capabilities(self.backend).semantics or MEGATRON_MAIN
 
     def spec(self, case: Case) -> ModelSpec:
         spec = case.model_spec(self.model_size)

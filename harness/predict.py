@@ -30,8 +30,9 @@ GroupKey = tuple[int, int, str]  # (microbatch, layer, name)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Semantics:
-    """The rules that differ between offloader versions; a backend may declare its own as a
-    ``semantics`` attribute of its factory (default: Megatron-Core main, the reference's)."""
+    """The rules that differ between offloader versions; a backend may declare its own in its
+    ``Capabilities`` record (``harness.offload.protocol``; default: Megatron-Core main, the
+    reference's)."""
 
     view_copy: str = "coverage"
     """``coverage``: a non-contiguous view covering >= 50% of its storage is copied as the whole

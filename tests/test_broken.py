@@ -20,7 +20,10 @@ from harness.models.hybrid import build_model, make_batches
 from harness.offload import broken
 from harness.offload.backends import (
     DEFAULT_RACE_DELAYS,
+    UNDECLARED,
     backend_names,
+    backend_unavailable,
+    capabilities,
     describe,
     parse_race_delays,
     resolve_backend,
@@ -28,7 +31,7 @@ from harness.offload.backends import (
 )
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
-from harness.offload.protocol import IterationLog
+from harness.offload.protocol import Capabilities, IterationLog, declare
 from harness.offload.reference import OffloadContext, RaceDelays
 from harness.spec import RunSpec, preset
 from harness.train import TrainResult, train
@@ -115,6 +118,48 @@ def test_race_delay_spellings() -> None:
             resolve_backend(bad)
     with pytest.raises(ValueError, match="CUDA"):  # sleep kernels need a GPU
         resolve_backend("broken.noop+delays")(_config(SEED_NAMES), CPU)
+
+
+def _undeclared(config: OffloadConfig, device: torch.device) -> NoOffload:
+    return NoOffload(config, device)
+
+
+@declare(race_delays=True, unavailable=lambda device: f"not on {device.type}")
+def _declared(config: OffloadConfig, device: torch.device, *, delays: RaceDelays) -> NoOffload:
+    return NoOffload(config, device)
+
+
+def _malformed(config: OffloadConfig, device: torch.device) -> NoOffload:
+    return NoOffload(config, device)
+
+
+@declare(semantics="gather")
+def _wrong_semantics(config: OffloadConfig, device: torch.device) -> NoOffload:
+    return NoOffload(config, device)
+
+
+_malformed.capabilities = {"race_delays": True}  # type: ignore[attr-defined]
+
+
+def test_capability_records() -> None:
+    reference = capabilities("reference")
+    assert reference is OffloadContext.capabilities and reference.race_delays
+    assert reference.semantics is None and reference.unavailable is None
+    assert not capabilities("none").race_delays and not capabilities("hooks").race_delays
+    for entry in broken.CATALOGUE:  # the reference's record with the catalogue's description
+        record = capabilities(entry.name)
+        assert record == Capabilities(description=describe(entry.name), race_delays=True)
+        assert capabilities(f"{entry.name}+delays") == record  # +delays keeps the record
+    assert capabilities(f"{__name__}:_undeclared") is UNDECLARED == Capabilities()
+    with pytest.raises(ValueError, match="apply to the reference"):
+        resolve_backend(f"{__name__}:_undeclared+delays")
+    assert backend_unavailable(f"{__name__}:_undeclared", CPU) is None
+    assert capabilities(f"{__name__}:_declared+delays:d2h=1").race_delays
+    assert backend_unavailable(f"{__name__}:_declared+delays", CPU) == "not on cpu"
+    with pytest.raises(ValueError, match=r"not a harness\.offload\.protocol\.Capabilities"):
+        resolve_backend(f"{__name__}:_malformed")
+    with pytest.raises(ValueError, match=r"not a harness\.predict\.Semantics"):
+        resolve_backend(f"{__name__}:_wrong_semantics")
 
 
 # ------------------------------------------------------------- each class deviates as intended

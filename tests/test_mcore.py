@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from harness.offload.backends import backend_names, resolve_backend
+from harness.offload.backends import backend_names, capabilities, resolve_backend
 from harness.offload.config import OffloadConfig
 from harness.offload.mcore import McoreOffloader, provide_te_flag, unavailable_reason
 from harness.predict import MEGATRON_MAIN
@@ -23,7 +23,11 @@ def test_registered_by_name() -> None:
 
 def test_declares_its_version_semantics() -> None:
     assert McoreOffloader.semantics != MEGATRON_MAIN
-    assert resolve_backend("mcore.inline-wait").semantics == McoreOffloader.semantics
+    for name in ("mcore", "mcore.inline-wait", "mcore+delays", "mcore.inline-wait+delays"):
+        record = capabilities(name)
+        assert record.semantics == McoreOffloader.semantics and record.race_delays, name
+        assert record.unavailable is unavailable_reason, name
+    assert capabilities("mcore.inline-wait").description != capabilities("mcore").description
 
 
 def test_refused_on_cpu_with_one_line() -> None:

@@ -3,7 +3,8 @@
 
 A factory is any callable ``(config: OffloadConfig, device: torch.device) -> Offloader``
 (``harness.offload.protocol``). Resolution happens once, up front, so a bad name is a one-line
-``ValueError`` before any model is built.
+``ValueError`` before any model is built. What the harness knows about a backend beyond that
+comes from the ``Capabilities`` record its factory declares (``capabilities(spec)``).
 
 Race provocation (CUDA only): ``<backend>+delays`` runs the reference offloader or a broken one
 with ``DEFAULT_RACE_DELAYS``; ``<backend>+delays:d2h=N,h2d=N,compute=N`` chooses the sleep
@@ -18,12 +19,13 @@ from collections.abc import Callable
 
 import torch
 
-from harness.offload.broken import BROKEN, CATALOGUE, LONG_DELAY
+from harness.offload.broken import BROKEN, LONG_DELAY
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
-from harness.offload.protocol import Offloader
+from harness.offload.protocol import Capabilities, Offloader
 from harness.offload.recorder import RecordingOffloader
 from harness.offload.reference import OffloadContext, RaceDelays
+from harness.predict import Semantics
 
 Factory = Callable[[OffloadConfig, torch.device], Offloader]
 
@@ -38,17 +40,13 @@ EXTRA: dict[str, str] = {
     "mcore": "harness.offload.mcore:McoreOffloader",
     "mcore.inline-wait": "harness.offload.mcore:with_inline_reload_wait",
 }
-"""``mcore`` drives megatron-core's own offloader (CUDA and the ``mcore`` extra);
-``mcore.inline-wait`` adds the D2H wait its inline reload lacks, to localise Megatron-LM #7398."""
-"""Further named backends provided by optional modules: name -> ``module:factory``."""
+"""Further named backends provided by optional modules: name -> ``module:factory``. ``mcore``
+drives megatron-core's own offloader (CUDA and the ``mcore`` extra); ``mcore.inline-wait`` adds
+the D2H wait its inline reload lacks, to localise Megatron-LM #7398."""
 
-DESCRIPTIONS: dict[str, str] = {
-    "reference": "the bundled reference offloader (Megatron-Core semantics, known bugs fixed)",
-    "none": "plain baseline: no offload machinery",
-    "hooks": "machinery baseline: groups and saved-tensor hooks, moving nothing; records",
-    **{entry.name: f"broken: {entry.description}" for entry in CATALOGUE},
-}
-"""One line per named backend, for ``offload-harness backends``."""
+UNDECLARED = Capabilities()
+"""The record of a factory that declares none: no description, Megatron-Core main's semantics,
+no race delays, runs anywhere."""
 
 DELAYS = "+delays"
 DEFAULT_RACE_DELAYS = RaceDelays(d2h=LONG_DELAY, h2d=LONG_DELAY)
@@ -61,8 +59,20 @@ def backend_names() -> list[str]:
 
 
 def describe(name: str) -> str:
-    """A short description of a named backend."""
-    return DESCRIPTIONS.get(name) or f"optional backend ({EXTRA[name]})"
+    """A short description of a named backend (its record's, else where it comes from)."""
+    try:
+        text = capabilities(name).description
+    except ValueError:
+        if name not in EXTRA:
+            raise
+        text = ""  # its optional module does not import here
+    return text or f"optional backend ({EXTRA.get(name, name)})"
+
+
+def capabilities(spec: str) -> Capabilities:
+    """The ``Capabilities`` record a backend's factory declares (``harness.offload.protocol``),
+    or ``UNDECLARED`` for a factory that declares none."""
+    return _declared(resolve_backend(spec), spec)
 
 
 def parse_race_delays(text: str) -> RaceDelays:
@@ -113,25 +123,37 @@ def _delayed(base: str, tail: str, shown: str) -> Factory:
         raise ValueError(f"backend {shown!r}: write {base}+delays or {base}+delays:d2h=N,h2d=N")
     delays = parse_race_delays(tail[1:]) if tail else DEFAULT_RACE_DELAYS
     factory = resolve_backend(base)
-    takes_delays = getattr(factory, "accepts_race_delays", False) or (
-        isinstance(factory, type) and issubclass(factory, OffloadContext)
-    )
-    if not takes_delays:
+    record = _declared(factory, base)
+    if not record.race_delays:
         raise ValueError(
             f"backend {shown!r}: race delays apply to the reference offloader, broken.* and "
-            "mcore only"
+            "mcore only (a factory taking delays= declares Capabilities(race_delays=True))"
         )
     delayed = functools.partial(factory, delays=delays)
-    delayed.semantics = getattr(factory, "semantics", None)  # type: ignore[attr-defined]
+    delayed.capabilities = record  # type: ignore[attr-defined]
     return delayed
 
 
 def backend_unavailable(spec: str, device: torch.device) -> str | None:
-    """Why a (resolvable) backend cannot run on ``device`` - a factory may say so through an
-    ``unavailable_reason(device)`` attribute - or None."""
-    factory = resolve_backend(spec)
-    check = getattr(getattr(factory, "func", factory), "unavailable_reason", None)
-    return check(device) if callable(check) else None
+    """Why a (resolvable) backend cannot run on ``device`` (its record's ``unavailable``), or
+    None."""
+    check = capabilities(spec).unavailable
+    return None if check is None else check(device)
+
+
+def _declared(factory: Factory, shown: str) -> Capabilities:
+    record = getattr(factory, "capabilities", UNDECLARED)
+    if not isinstance(record, Capabilities):
+        raise ValueError(
+            f"backend {shown!r}: its factory's capabilities is a {type(record).__name__}, not a "
+            "harness.offload.protocol.Capabilities"
+        )
+    if record.semantics is not None and not isinstance(record.semantics, Semantics):
+        raise ValueError(
+            f"backend {shown!r}: its capabilities' semantics is a "
+            f"{type(record.semantics).__name__}, not a harness.predict.Semantics"
+        )
+    return record
 
 
 def _import_factory(path: str, *, shown: str) -> Factory:
@@ -145,4 +167,5 @@ def _import_factory(path: str, *, shown: str) -> Factory:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"backend {shown!r}: {module_name} has no callable {attr!r}")
+    _declared(factory, shown)  # a malformed record is a resolution error too
     return factory  # type: ignore[no-any-return]

@@ -16,6 +16,7 @@ default-matrix cases and checks that catch it (catchers first, in the order to t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -28,14 +29,14 @@ from harness.offload.config import OffloadConfig
 from harness.offload.policy import apply_delta, apply_margin, fraction_disabled_count, summarize
 from harness.offload.pool import HostBufferPool
 from harness.offload.reference import (
-    _OFFLOADED,
+    OFFLOADED,
+    ChunkState,
+    GroupState,
+    HostCopy,
     OffloadContext,
     RaceDelays,
-    _Chunk,
-    _Group,
-    _HostCopy,
-    _profiler_range,
-    _Tag,
+    Tag,
+    group_range,
 )
 
 LONG_DELAY = 20_000_000
@@ -94,31 +95,31 @@ class _DeferredD2H(OffloadContext):
         super().__init__(config, device, delays=delays)
         if not self.cuda:
             self.pool = _ZeroedPool(pin_memory=False)
-        self._in_flight: dict[_Group, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._held_releases: dict[_Group, tuple[torch.Tensor, ...]] = {}
-        self._cap_queue: dict[str, deque[_Group]] = {}
+        self._in_flight: dict[GroupState, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._held_releases: dict[GroupState, tuple[torch.Tensor, ...]] = {}
+        self._cap_queue: dict[str, deque[GroupState]] = {}
 
     def _new_host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         buffer = super()._new_host_buffer(shape, dtype)
         return buffer if self.cuda else buffer.zero_()
 
-    def _d2h_copy(self, group: _Group, buffer: torch.Tensor, src: torch.Tensor) -> None:
+    def _d2h_copy(self, group: GroupState, buffer: torch.Tensor, src: torch.Tensor) -> None:
         if self.cuda:
             super()._d2h_copy(group, buffer, src)
         else:
             self._in_flight.setdefault(group, []).append((buffer, src))
 
-    def _release(self, group: _Group, release: tuple[torch.Tensor, ...]) -> None:
+    def _release(self, group: GroupState, release: tuple[torch.Tensor, ...]) -> None:
         if self.cuda or not self.release_waits_for_d2h or group not in self._in_flight:
             super()._release(group, release)
         else:
             self._held_releases[group] = release
 
-    def _land(self, group: _Group) -> None:
+    def _land(self, group: GroupState) -> None:
         """The group's queued D2H copies complete now."""
         copies = self._in_flight.pop(group, [])
         if copies:
-            with _profiler_range("d2h", group):
+            with group_range("d2h", group):
                 for buffer, src in copies:
                     super()._d2h_copy(group, buffer, self._landing_source(buffer, src))
         held = self._held_releases.pop(group, None)
@@ -129,11 +130,11 @@ class _DeferredD2H(OffloadContext):
         """What a landing copy reads (the source itself here)."""
         return src
 
-    def _await_d2h(self, group: _Group, *, inline: bool) -> None:
+    def _await_d2h(self, group: GroupState, *, inline: bool) -> None:
         self._land(group)
         super()._await_d2h(group, inline=inline)
 
-    def _cap_inflight(self, group: _Group) -> None:
+    def _cap_inflight(self, group: GroupState) -> None:
         super()._cap_inflight(group)
         cap = self.config.max_inflight_offloads
         if self.cuda or cap is None:
@@ -164,11 +165,11 @@ class ReloadBeforeD2H(_DeferredD2H):
 
     name = "broken.reload_before_d2h"
 
-    def _await_d2h(self, group: _Group, *, inline: bool) -> None:
+    def _await_d2h(self, group: GroupState, *, inline: bool) -> None:
         if not inline:
             super()._await_d2h(group, inline=inline)
 
-    def _reload(self, group: _Group, *, inline: bool = False) -> None:
+    def _reload(self, group: GroupState, *, inline: bool = False) -> None:
         super()._reload(group, inline=inline)
         self._land(group)  # CPU: the copy lands after the inline H2D has read the buffer
 
@@ -200,7 +201,7 @@ class _UnownedTag:
 
     __slots__ = ("layer", "name", "slot")
 
-    def __init__(self, group: _Group, slot: int) -> None:
+    def __init__(self, group: GroupState, slot: int) -> None:
         self.layer, self.name, self.slot = group.layer, group.name, slot
 
 
@@ -219,21 +220,21 @@ class WrongMicrobatch(OffloadContext):
 
     name = "broken.wrong_microbatch"
 
-    def _pack(self, group: _Group, tensor: torch.Tensor) -> Any:
+    def _pack(self, group: GroupState, tensor: torch.Tensor) -> Any:
         packed = super()._pack(group, tensor)
-        return _UnownedTag(group, packed.slot) if isinstance(packed, _Tag) else packed
+        return _UnownedTag(group, packed.slot) if isinstance(packed, Tag) else packed
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _UnownedTag):
             return packed
         assert self._microbatch is not None, "backward outside an iteration"
-        chunk: _Chunk = self._chunks[self._microbatch]
+        chunk: ChunkState = self._chunks[self._microbatch]
         group = next(
             (g for g in chunk.groups if (g.layer, g.name) == (packed.layer, packed.name)), None
         )
         if group is None:
             raise RuntimeError(f"no group {packed.name} (layer {packed.layer}) in this chunk")
-        if group.status == _OFFLOADED:
+        if group.status == OFFLOADED:
             self._reload(group, inline=True)
         self._wait_reload(group)
         value = group.entries[packed.slot]
@@ -297,24 +298,24 @@ class ViewDedup(OffloadContext):
         delays: RaceDelays | None = None,
     ) -> None:
         super().__init__(config, device, delays=delays)
-        self._shared: dict[tuple[int, torch.dtype], _HostCopy] = {}
+        self._shared: dict[tuple[int, torch.dtype], HostCopy] = {}
         self._restored: dict[int, torch.Tensor] = {}
 
-    def _offload(self, group: _Group) -> None:
+    def _offload(self, group: GroupState) -> None:
         self._shared = {}
         super()._offload(group)
 
-    def _copy_out(self, group: _Group, tensor: torch.Tensor) -> _HostCopy:
+    def _copy_out(self, group: GroupState, tensor: torch.Tensor) -> HostCopy:
         key = (tensor.untyped_storage().data_ptr(), tensor.dtype)  # no shape, stride, offset
         if key not in self._shared:
             self._shared[key] = super()._copy_out(group, tensor)
         return self._shared[key]
 
-    def _reload(self, group: _Group, *, inline: bool = False) -> None:
+    def _reload(self, group: GroupState, *, inline: bool = False) -> None:
         self._restored = {}
         super()._reload(group, inline=inline)
 
-    def _copy_in(self, group: _Group, entry: _HostCopy) -> torch.Tensor:
+    def _copy_in(self, group: GroupState, entry: HostCopy) -> torch.Tensor:
         if id(entry) not in self._restored:
             self._restored[id(entry)] = super()._copy_in(group, entry)
         return self._restored[id(entry)]
@@ -346,22 +347,22 @@ class PoolEarlyReuse(OffloadContext):
     ) -> None:
         super().__init__(config, device, delays=delays)
         self.pool = _RecentFirstPool(pin_memory=self.cuda)
-        self._h2d_in_flight: dict[_Group, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._h2d_in_flight: dict[GroupState, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def _return_buffer(self, group: _Group, buffer: torch.Tensor) -> None:
+    def _return_buffer(self, group: GroupState, buffer: torch.Tensor) -> None:
         self.pool.release(buffer, None)  # no event: free to write at once
 
-    def _h2d_copy(self, group: _Group, restored: torch.Tensor, buffer: torch.Tensor) -> None:
+    def _h2d_copy(self, group: GroupState, restored: torch.Tensor, buffer: torch.Tensor) -> None:
         if self.cuda:
             super()._h2d_copy(group, restored, buffer)
         else:
             self._h2d_in_flight.setdefault(group, []).append((restored, buffer))
 
-    def _wait_reload(self, group: _Group) -> None:
+    def _wait_reload(self, group: GroupState) -> None:
         super()._wait_reload(group)
         copies = self._h2d_in_flight.pop(group, [])
         if copies:
-            with _profiler_range("h2d", group):
+            with group_range("h2d", group):
                 for restored, buffer in copies:
                     super()._h2d_copy(group, restored, buffer)
 
@@ -383,7 +384,9 @@ class FractionCount(OffloadContext):
 
     name = "broken.fraction_count"
 
-    def _apply_policies(self, forward: list[_Chunk], backward: list[_Chunk]) -> dict[str, int]:
+    def _apply_policies(
+        self, forward: list[ChunkState], backward: list[ChunkState]
+    ) -> dict[str, int]:
         apply_margin(backward)
         apply_delta(backward, self.config.pp_rank * self.config.delta_offload_bytes_across_pp_ranks)
         for chunk in backward:
@@ -405,11 +408,11 @@ class ExtraRoundTrip(OffloadContext):
 
     name = "broken.extra_round_trip"
 
-    def _d2h_copy(self, group: _Group, buffer: torch.Tensor, src: torch.Tensor) -> None:
+    def _d2h_copy(self, group: GroupState, buffer: torch.Tensor, src: torch.Tensor) -> None:
         super()._d2h_copy(group, buffer, src)
         super()._d2h_copy(group, buffer, src)
 
-    def _h2d_copy(self, group: _Group, restored: torch.Tensor, buffer: torch.Tensor) -> None:
+    def _h2d_copy(self, group: GroupState, restored: torch.Tensor, buffer: torch.Tensor) -> None:
         super()._h2d_copy(group, restored, buffer)
         super()._h2d_copy(group, restored, buffer)
 
@@ -471,15 +474,15 @@ class StructureRemap(OffloadContext):
 
     name = "broken.structure_remap"
 
-    def _new_group(self, chunk: _Chunk, name: str, layer: int) -> _Group | None:
-        return _Group(chunk, name, layer, self.cuda)  # recorded at its commit instead
+    def _new_group(self, chunk: ChunkState, name: str, layer: int) -> GroupState | None:
+        return GroupState(chunk, name, layer, self.cuda)  # recorded at its commit instead
 
-    def _commit_forward(self, group: _Group, release: tuple[torch.Tensor, ...]) -> None:
+    def _commit_forward(self, group: GroupState, release: tuple[torch.Tensor, ...]) -> None:
         if self.warmup:
             group.chunk.groups.append(group)
         super()._commit_forward(group, release)
 
-    def _expect_group(self, chunk: _Chunk, name: str, layer: int) -> _Group | None:
+    def _expect_group(self, chunk: ChunkState, name: str, layer: int) -> GroupState | None:
         for index in range(chunk.cursor, len(chunk.groups)):
             if chunk.groups[index].name == name:
                 chunk.cursor = index + 1
@@ -514,7 +517,7 @@ class HostSync(OffloadContext):
         super().__init__(config, device, delays=delays)
         self._probe = torch.zeros((), device=self.device)
 
-    def _commit_forward(self, group: _Group, release: tuple[torch.Tensor, ...]) -> None:
+    def _commit_forward(self, group: GroupState, release: tuple[torch.Tensor, ...]) -> None:
         super()._commit_forward(group, release)
         if group.iter_decision == "offloaded":
             self._probe.item()  # the bug: a host sync on the hot path
@@ -531,7 +534,7 @@ class CorruptReload(OffloadContext):
 
     name = "broken.corrupt_reload"
 
-    def _h2d_copy(self, group: _Group, restored: torch.Tensor, buffer: torch.Tensor) -> None:
+    def _h2d_copy(self, group: GroupState, restored: torch.Tensor, buffer: torch.Tensor) -> None:
         super()._h2d_copy(group, restored, buffer)
         if restored.is_floating_point() and restored.numel() and restored.is_contiguous():
             # Little-endian: exponent bit 0 sits right above the mantissa bits.
@@ -699,6 +702,12 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         catchers=(("equivalence", SEED),),
     ),
 )
+
+for _entry in CATALOGUE:  # each backend's record: the reference's, with its own description
+    _entry.factory.capabilities = dataclasses.replace(
+        OffloadContext.capabilities, description=f"broken: {_entry.description}"
+    )
+del _entry
 
 BROKEN: dict[str, type[OffloadContext]] = {entry.name: entry.factory for entry in CATALOGUE}
 """Backend name -> factory of every broken offloader."""

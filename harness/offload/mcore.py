@@ -41,14 +41,14 @@ import types
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from harness import distributed
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import PassThroughGroup
-from harness.offload.protocol import GroupRecord, IterationLog, Output
+from harness.offload.protocol import Capabilities, GroupRecord, IterationLog, Output, declare
 from harness.offload.ranges import profiler_range
 from harness.offload.reference import RaceDelays
 from harness.predict import Semantics
@@ -108,12 +108,17 @@ class McoreOffloader:
     at a time: megatron-core's manager is a process-wide singleton, reset on construction)."""
 
     name = "mcore"
-    accepts_race_delays = True
-    unavailable_reason = staticmethod(unavailable_reason)
     semantics = Semantics(view_copy="gather", skip="object")
     """megatron-core 0.19's copy rules: non-contiguous tensors are gathered (no whole-storage
     copy of covering views), and only ``Parameter`` objects and tensors carrying the
     not-offload attribute themselves are skipped (a ``W.t()`` saved by a matmul is moved)."""
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        description="megatron-core's own fine-grained offloader (CUDA, the mcore extra)",
+        semantics=semantics,
+        race_delays=True,
+        unavailable=unavailable_reason,
+    )
+    """Its backend record: the copy rules above, ``delays=``, CUDA and megatron-core only."""
 
     def __init__(
         self,
@@ -361,17 +366,16 @@ class McoreOffloader:
         )
 
 
+@declare(
+    McoreOffloader.capabilities,
+    description="megatron-core's offloader plus the D2H wait its inline reload lacks (#7398)",
+)
 def with_inline_reload_wait(
     config: OffloadConfig, device: torch.device | str, *, delays: RaceDelays | None = None
 ) -> McoreOffloader:
     """Backend ``mcore.inline-wait``: megatron-core's offloader plus the one stream edge its
     inline reload path lacks (see ``McoreOffloader.inline_reload_waits``)."""
     return McoreOffloader(config, device, delays=delays, inline_reload_waits=True)
-
-
-with_inline_reload_wait.semantics = McoreOffloader.semantics  # type: ignore[attr-defined]
-with_inline_reload_wait.accepts_race_delays = True  # type: ignore[attr-defined]
-with_inline_reload_wait.unavailable_reason = unavailable_reason  # type: ignore[attr-defined]
 
 
 class McoreGroup:

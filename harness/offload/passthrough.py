@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from harness.offload.config import OffloadConfig
-from harness.offload.protocol import IterationLog, Output
+from harness.offload.protocol import Capabilities, IterationLog, Output
 
 
 class PassThroughGroup:
@@ -40,6 +40,9 @@ class NoOffload:
     """Backend ``none``: the model runs exactly as without any offload machinery."""
 
     name = "none"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        description="plain baseline: no offload machinery"
+    )
 
     def __init__(self, config: OffloadConfig | None = None, device: Any = None) -> None:
         self.config = config

@@ -15,19 +15,23 @@ The training runner brackets microbatches and iterations:
     off.end_iteration()       # after the optimizer step (Megatron's reset); the first one that
                               # saw groups ends the warmup iteration
 
-A backend is a factory ``(config, device) -> Offloader``; see ``harness.offload.backends``.
+A backend is a factory ``(config, device) -> Offloader``; see ``harness.offload.backends``. What
+the harness needs to know about a factory besides that (its copy rules, whether it takes race
+delays, where it cannot run, its description) it declares in one ``Capabilities`` record.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 Output = TypeVar("Output")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @runtime_checkable
@@ -119,6 +123,36 @@ class Wrapper:
 
     def close(self) -> None:
         self.inner.close()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Capabilities:
+    """What a backend factory declares about itself, as its ``capabilities`` attribute (a class
+    attribute, or ``@declare(...)`` on a function); ``harness.offload.backends.capabilities``
+    reads it. A factory without one gets ``Capabilities()``; a subclass inherits its base's."""
+
+    description: str = ""
+    """One line for ``offload-harness backends``."""
+    semantics: Any = None
+    """Its version-dependent copy rules for the prediction, a ``harness.predict.Semantics``
+    (typed Any: harness.predict depends on this module); None: Megatron-Core main's."""
+    race_delays: bool = False
+    """It takes a ``delays=`` keyword (``harness.offload.reference.RaceDelays``), so
+    ``<backend>+delays`` applies to it."""
+    unavailable: Callable[[torch.device], str | None] | None = None
+    """Why it cannot run on a device (the call returns None where it can); None: runs anywhere."""
+
+
+def declare(base: Capabilities | None = None, /, **fields: Any) -> Callable[[F], F]:
+    """Decorator setting a factory's ``capabilities``: ``base`` (default ``Capabilities()``) with
+    ``fields`` replaced, e.g. ``@declare(description="...", race_delays=True)``."""
+    record = dataclasses.replace(base or Capabilities(), **fields)
+
+    def mark(factory: F) -> F:
+        factory.capabilities = record  # type: ignore[attr-defined]
+        return factory
+
+    return mark
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import PassThroughGroup, apply_to_first
-from harness.offload.protocol import IterationLog, Output
+from harness.offload.protocol import Capabilities, IterationLog, Output
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,6 +136,9 @@ class RecordingOffloader:
     """Backend ``hooks``: groups and hooks for the selected names, no copies, full records."""
 
     name = "hooks"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        description="machinery baseline: groups and saved-tensor hooks, moving nothing; records"
+    )
 
     def __init__(self, config: OffloadConfig, device: torch.device | str) -> None:
         self.config = config

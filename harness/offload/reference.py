@@ -25,6 +25,11 @@ Stream discipline on CUDA (none of it blocks the host):
     reload   h2d.wait_stream(compute); h2d.wait_event(d2h event); copies on h2d; reload event
     use      compute.wait_event(reload event) before the first unpack / at commit-backward
 On CPU the same bookkeeping runs with synchronous copies into separate host buffers.
+
+Variants of the reference (``harness.offload.broken``: the reference with one bug each) subclass
+``OffloadContext`` and override its steps; ``GroupState``, ``ChunkState``, ``HostCopy``, ``Tag``,
+the status values (``OPEN``, ``KEPT``, ``OFFLOADED``, ``RELOADING``) and ``group_range`` are the
+public building blocks they share. Module names with a leading underscore stay private.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -43,15 +48,15 @@ from harness.offload.config import MOE_EXPERT_NAMES, OffloadConfig
 from harness.offload.passthrough import PassThroughGroup, apply_to_first
 from harness.offload.policy import apply_post_warmup
 from harness.offload.pool import HostBufferPool, staging_buffer
-from harness.offload.protocol import GroupRecord, IterationLog, Output
+from harness.offload.protocol import Capabilities, GroupRecord, IterationLog, Output
 from harness.offload.ranges import Direction, profiler_range
 
 # A non-contiguous view covering at least this share of its storage is copied as the whole flat
 # storage (one DMA, layout restored on reload); a sparser view is gathered to contiguous.
 FULL_STORAGE_MIN_COVERAGE = 0.5
 
-# Group status within an iteration.
-_OPEN, _KEPT, _OFFLOADED, _RELOADING = "open", "kept", "offloaded", "reloading"
+OPEN, KEPT, OFFLOADED, RELOADING = "open", "kept", "offloaded", "reloading"
+"""``GroupState.status`` values within an iteration (building blocks for reference variants)."""
 
 
 class StructureChangedError(RuntimeError):
@@ -76,8 +81,8 @@ class RaceDelays:
                 raise ValueError(f"RaceDelays.{name} must be an int >= 0 (cycles), got {value!r}")
 
 
-class _HostCopy:
-    """An offloaded saved tensor: its host buffer and how to rebuild the device view."""
+class HostCopy:
+    """Building block for reference variants: an offloaded saved tensor (buffer, device view)."""
 
     __slots__ = ("buffer", "pooled", "view")
 
@@ -92,20 +97,20 @@ class _HostCopy:
         self.pooled = pooled
 
 
-class _Tag:
-    """What autograd holds instead of a tracked tensor: the group and the slot in it."""
+class Tag:
+    """Building block for reference variants: autograd's stand-in for a tracked tensor."""
 
     __slots__ = ("group", "slot")
 
-    def __init__(self, group: _Group, slot: int) -> None:
+    def __init__(self, group: GroupState, slot: int) -> None:
         self.group = group
         self.slot = slot
 
 
-class _Group:
-    """One group occurrence. Created in the warmup, reused (same object) every iteration after."""
+class GroupState:
+    """Building block for reference variants: one group occurrence, reused after the warmup."""
 
-    def __init__(self, chunk: _Chunk, name: str, layer: int, cuda: bool) -> None:
+    def __init__(self, chunk: ChunkState, name: str, layer: int, cuda: bool) -> None:
         self.chunk = chunk
         self.name = name
         self.layer = layer
@@ -120,10 +125,10 @@ class _Group:
         self._reset()
 
     def _reset(self) -> None:
-        self.entries: dict[int, torch.Tensor | _HostCopy] = {}
+        self.entries: dict[int, torch.Tensor | HostCopy] = {}
         self.slots = 0  # slots handed out (entries shrink as backward pops them)
         self.on_device: set[int] = set()  # slots still holding the saved tensor itself
-        self.status = _OPEN
+        self.status = OPEN
         self.iter_decision = "open"
         self.waited = False
         self.counts = {"d2h_copies": 0, "d2h_bytes": 0, "h2d_copies": 0, "h2d_bytes": 0}
@@ -151,17 +156,17 @@ class _Group:
         )
 
 
-class _Chunk:
-    """The groups of one microbatch's forward, in start order."""
+class ChunkState:
+    """Building block for reference variants: one microbatch's forward groups, in start order."""
 
     def __init__(self, microbatch: int) -> None:
         self.microbatch = microbatch
-        self.groups: list[_Group] = []
+        self.groups: list[GroupState] = []
         self._reset()
 
     def _reset(self) -> None:
         self.cursor = 0  # steady state: next warmup group expected
-        self.to_reload: list[_Group] = []  # committed and offloaded, LIFO
+        self.to_reload: list[GroupState] = []  # committed and offloaded, LIFO
         self.forward_done = False
         self.backward_started = False
         self.active = False  # begun in this iteration
@@ -172,7 +177,7 @@ class _Handle:
 
     __slots__ = ("_ctx", "_group", "_hooks", "input")
 
-    def __init__(self, ctx: OffloadContext, group: _Group, x: torch.Tensor) -> None:
+    def __init__(self, ctx: OffloadContext, group: GroupState, x: torch.Tensor) -> None:
         self._ctx = ctx
         self._group = group
         self._hooks: Any = None
@@ -204,7 +209,7 @@ class _GroupStart(torch.autograd.Function):
     """Identity; its backward (the end of the group's backward) prefetches the next reload."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, off: OffloadContext, group: _Group) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, off: OffloadContext, group: GroupState) -> torch.Tensor:
         ctx.off, ctx.group = off, group
         return x
 
@@ -222,7 +227,7 @@ class _GroupCommit(torch.autograd.Function):
         ctx: Any,
         x: torch.Tensor,
         off: OffloadContext,
-        group: _Group,
+        group: GroupState,
         release: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
         ctx.off, ctx.group = off, group
@@ -239,6 +244,11 @@ class OffloadContext:
     """Backend ``reference``: one training run's activation offloader."""
 
     name = "reference"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        description="the bundled reference offloader (Megatron-Core semantics, known bugs fixed)",
+        race_delays=True,
+    )
+    """Its backend record; variants inherit it (Megatron-Core main's semantics, ``delays=``)."""
 
     def __init__(
         self,
@@ -259,9 +269,9 @@ class OffloadContext:
         self.enabled = True
         self.warmup = True
         self.summary_bytes: dict[str, int] = {}
-        self._chunks: dict[int, _Chunk] = {}  # by microbatch, in forward order
-        self._backward_order: list[_Chunk] = []
-        self._current: _Chunk | None = None
+        self._chunks: dict[int, ChunkState] = {}  # by microbatch, in forward order
+        self._backward_order: list[ChunkState] = []
+        self._current: ChunkState | None = None
         self._microbatch: int | None = None
         self._device_refs: dict[int, int] = {}  # storage address -> saved tensors on device
         self._pending_d2h: dict[str, deque[torch.cuda.Event | None]] = {}
@@ -276,7 +286,7 @@ class OffloadContext:
         self._current = None
         self._microbatch = microbatch
 
-    def _activate(self) -> _Chunk | None:
+    def _activate(self) -> ChunkState | None:
         """The chunk of the current microbatch, created (warmup) or looked up on its first
         group: a forward that opens no group (no grad, offloading disabled) leaves no trace and
         can never become the warmup."""
@@ -291,7 +301,7 @@ class OffloadContext:
                     f"(it recorded microbatches {sorted(self._chunks)}); offloading needs the "
                     "same microbatches every iteration"
                 )
-            chunk = self._chunks[microbatch] = _Chunk(microbatch)
+            chunk = self._chunks[microbatch] = ChunkState(microbatch)
         elif chunk.active:
             raise RuntimeError(f"microbatch {microbatch} started twice in one iteration")
         chunk.active = True
@@ -305,7 +315,7 @@ class OffloadContext:
         if chunk is None:
             return PassThroughGroup(x)
         if self.warmup:
-            group: _Group | None = self._new_group(chunk, name, layer)
+            group: GroupState | None = self._new_group(chunk, name, layer)
         else:
             group = self._expect_group(chunk, name, layer)
         if group is None:
@@ -317,9 +327,9 @@ class OffloadContext:
         """Whether a start of group ``name`` opens a group (selected, enabled, grad mode on)."""
         return self.enabled and name in self.config.selected and torch.is_grad_enabled()
 
-    def _new_group(self, chunk: _Chunk, name: str, layer: int) -> _Group | None:
+    def _new_group(self, chunk: ChunkState, name: str, layer: int) -> GroupState | None:
         """Warmup: record a new group occurrence in ``chunk`` (start order)."""
-        group = _Group(chunk, name, layer, self.cuda)
+        group = GroupState(chunk, name, layer, self.cuda)
         chunk.groups.append(group)
         return group
 
@@ -398,7 +408,7 @@ class OffloadContext:
         self._marked_objects.clear()
 
     # ------------------------------------------------------------------------- forward side
-    def _expect_group(self, chunk: _Chunk, name: str, layer: int) -> _Group | None:
+    def _expect_group(self, chunk: ChunkState, name: str, layer: int) -> GroupState | None:
         if chunk.cursor < len(chunk.groups):
             group = chunk.groups[chunk.cursor]
             if (group.name, group.layer) == (name, layer):
@@ -412,7 +422,7 @@ class OffloadContext:
             f"the warmup recorded {recorded}; the group structure changed after the warmup"
         )
 
-    def _pack(self, group: _Group, tensor: torch.Tensor) -> Any:
+    def _pack(self, group: GroupState, tensor: torch.Tensor) -> Any:
         if not self._trackable(tensor):
             return tensor
         slot = group.slots
@@ -420,7 +430,7 @@ class OffloadContext:
         group.entries[slot] = tensor
         group.on_device.add(slot)
         self._hold(tensor, +1)
-        return _Tag(group, slot)
+        return Tag(group, slot)
 
     def _hold(self, tensor: torch.Tensor, delta: int) -> None:
         """Count saved tensors still on the device per storage (forced release checks it)."""
@@ -463,19 +473,19 @@ class OffloadContext:
         self._marked_objects.pop(id(marked), None)  # its next mark_not_offloadable marks anew
         return False
 
-    def _commit_forward(self, group: _Group, release: tuple[torch.Tensor, ...]) -> None:
+    def _commit_forward(self, group: GroupState, release: tuple[torch.Tensor, ...]) -> None:
         group.tracked = len(group.entries)
         decision = self._decide(group)
         group.iter_decision = decision
         if decision != "offloaded":
-            group.status = _KEPT
+            group.status = KEPT
             return
         self._offload(group)
         group.chunk.to_reload.append(group)
         self._release(group, release)
         self._cap_inflight(group)
 
-    def _decide(self, group: _Group) -> str:
+    def _decide(self, group: GroupState) -> str:
         if self.warmup:
             return "offloaded"
         if not group.offload:
@@ -486,18 +496,18 @@ class OffloadContext:
             return "kept:last_of_name"
         return "offloaded"
 
-    def _next_backward_chunk(self, name: str) -> _Chunk | None:
+    def _next_backward_chunk(self, name: str) -> ChunkState | None:
         for chunk in self._backward_order:
             if not chunk.backward_started and any(g.name == name for g in chunk.groups):
                 return chunk
         return None
 
-    def _offload(self, group: _Group) -> None:
+    def _offload(self, group: GroupState) -> None:
         if self.cuda:
             self._d2h.wait_stream(torch.cuda.current_stream(self.device))
         with (
             self._on_stream(self._d2h, self.delays.d2h),
-            _profiler_range("d2h", group),
+            group_range("d2h", group),
         ):
             for slot, tensor in list(group.entries.items()):
                 if isinstance(tensor, torch.Tensor) and self._eligible(tensor):
@@ -506,11 +516,11 @@ class OffloadContext:
                     self._hold(tensor, -1)
             if self.cuda:
                 group.d2h_event.record(self._d2h)
-        group.status = _OFFLOADED
+        group.status = OFFLOADED
         if self.cuda and self.delays.compute:
             torch.cuda._sleep(self.delays.compute)
 
-    def _copy_out(self, group: _Group, tensor: torch.Tensor) -> _HostCopy:
+    def _copy_out(self, group: GroupState, tensor: torch.Tensor) -> HostCopy:
         src, view = _transfer_source(tensor)
         if group.use_pool:
             buffer, hit = self.pool.acquire(src.shape, src.dtype, self._d2h)
@@ -524,13 +534,13 @@ class OffloadContext:
         self._protect_source(tensor)
         if self.warmup:
             group.warmup_bytes += buffer.numel() * buffer.element_size()
-        return _HostCopy(buffer, view, group.use_pool)
+        return HostCopy(buffer, view, group.use_pool)
 
     def _new_host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An unpooled host buffer (pinned on CUDA)."""
         return staging_buffer(shape, dtype, pin_memory=self.cuda)
 
-    def _d2h_copy(self, group: _Group, buffer: torch.Tensor, src: torch.Tensor) -> None:
+    def _d2h_copy(self, group: GroupState, buffer: torch.Tensor, src: torch.Tensor) -> None:
         """One D2H copy into ``buffer``, counted in the group's log."""
         buffer.copy_(src, non_blocking=self.cuda)
         group.counts["d2h_copies"] += 1
@@ -541,7 +551,7 @@ class OffloadContext:
         if self.cuda:
             tensor.record_stream(self._d2h)
 
-    def _release(self, group: _Group, release: tuple[torch.Tensor, ...]) -> None:
+    def _release(self, group: GroupState, release: tuple[torch.Tensor, ...]) -> None:
         for tensor in release:
             if tensor is None or not self._trackable(tensor) or not self._eligible(tensor):
                 continue
@@ -557,7 +567,7 @@ class OffloadContext:
             storage.resize_(0)
             group.released += 1
 
-    def _cap_inflight(self, group: _Group) -> None:
+    def _cap_inflight(self, group: GroupState) -> None:
         cap = self.config.max_inflight_offloads
         if cap is None:
             return
@@ -569,7 +579,7 @@ class OffloadContext:
                 torch.cuda.current_stream(self.device).wait_event(event)
 
     # ------------------------------------------------------------------------ backward side
-    def _backward_begins(self, chunk: _Chunk) -> None:
+    def _backward_begins(self, chunk: ChunkState) -> None:
         if chunk.backward_started:
             return
         chunk.backward_started = True
@@ -578,11 +588,11 @@ class OffloadContext:
         if self.warmup:
             self._backward_order.append(chunk)
 
-    def _commit_backward(self, group: _Group) -> None:
+    def _commit_backward(self, group: GroupState) -> None:
         self._backward_begins(group.chunk)
         self._wait_reload(group)
 
-    def _start_backward(self, group: _Group) -> None:
+    def _start_backward(self, group: GroupState) -> None:
         # The group's backward is done: prefetch the next offloaded group, LIFO within the chunk,
         # else the last offloaded group of the next chunk to run backward if its forward is done.
         nxt = _pop_offloaded(group.chunk.to_reload)
@@ -594,11 +604,11 @@ class OffloadContext:
             self._reload(nxt)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Tag):
+        if not isinstance(packed, Tag):
             return packed
         group = packed.group
         self._backward_begins(group.chunk)
-        if group.status == _OFFLOADED:
+        if group.status == OFFLOADED:
             self._reload(group, inline=True)  # nobody prefetched it: reload now, after its D2H
         self._wait_reload(group)
         try:
@@ -614,13 +624,13 @@ class OffloadContext:
             self._hold(value, -1)
         return value
 
-    def _wait_reload(self, group: _Group) -> None:
-        if group.status == _RELOADING and not group.waited:
+    def _wait_reload(self, group: GroupState) -> None:
+        if group.status == RELOADING and not group.waited:
             if self.cuda:
                 torch.cuda.current_stream(self.device).wait_event(group.reload_event)
             group.waited = True
 
-    def _reload(self, group: _Group, *, inline: bool = False) -> None:
+    def _reload(self, group: GroupState, *, inline: bool = False) -> None:
         """Bring ``group`` back: prefetched at the end of a group's backward, or ``inline``
         when backward unpacks a tensor of a group nobody prefetched."""
         if self.cuda:
@@ -631,10 +641,10 @@ class OffloadContext:
         returned: dict[int, torch.Tensor] = {}
         with (
             self._on_stream(self._h2d, self.delays.h2d),
-            _profiler_range("h2d", group),
+            group_range("h2d", group),
         ):
             for slot, entry in list(group.entries.items()):
-                if isinstance(entry, _HostCopy):
+                if isinstance(entry, HostCopy):
                     group.entries[slot] = self._copy_in(group, entry)
                     if entry.pooled:
                         returned[id(entry.buffer)] = entry.buffer
@@ -642,19 +652,19 @@ class OffloadContext:
                 group.reload_event.record(self._h2d)
         for buffer in returned.values():
             self._return_buffer(group, buffer)
-        group.status = _RELOADING
+        group.status = RELOADING
 
-    def _await_d2h(self, group: _Group, *, inline: bool) -> None:
+    def _await_d2h(self, group: GroupState, *, inline: bool) -> None:
         """Order the group's H2D copies after the D2H that filled its host buffers (both
         paths: Megatron #7398's inline path has no such edge)."""
         if self.cuda:
             self._h2d.wait_event(group.d2h_event)
 
-    def _return_buffer(self, group: _Group, buffer: torch.Tensor) -> None:
+    def _return_buffer(self, group: GroupState, buffer: torch.Tensor) -> None:
         """Give a pooled buffer back with the event of the H2D that still reads it."""
         self.pool.release(buffer, group.reload_event)
 
-    def _copy_in(self, group: _Group, entry: _HostCopy) -> torch.Tensor:
+    def _copy_in(self, group: GroupState, entry: HostCopy) -> torch.Tensor:
         buffer = entry.buffer
         # Filled under deterministic mode (a device memset on the H2D stream, not host time): a
         # read that races ahead of this copy then sees NaN, not whatever the block held before,
@@ -666,7 +676,7 @@ class OffloadContext:
             restored = restored.as_strided(size, stride, offset)
         return restored
 
-    def _h2d_copy(self, group: _Group, restored: torch.Tensor, buffer: torch.Tensor) -> None:
+    def _h2d_copy(self, group: GroupState, restored: torch.Tensor, buffer: torch.Tensor) -> None:
         """One H2D copy from ``buffer``, counted in the group's log."""
         restored.copy_(buffer, non_blocking=self.cuda)
         group.counts["h2d_copies"] += 1
@@ -688,7 +698,7 @@ class OffloadContext:
         backward = self._backward_order + [c for c in forward if c not in self._backward_order]
         self._backward_order = backward
         for chunk in forward:
-            last: dict[str, _Group] = {}
+            last: dict[str, GroupState] = {}
             for group in chunk.groups:
                 last[group.name] = group
             for group in last.values():
@@ -697,7 +707,9 @@ class OffloadContext:
         self.warmup = False
         return dict(self.summary_bytes)
 
-    def _apply_policies(self, forward: list[_Chunk], backward: list[_Chunk]) -> dict[str, int]:
+    def _apply_policies(
+        self, forward: list[ChunkState], backward: list[ChunkState]
+    ) -> dict[str, int]:
         """Margin, delta and fraction over the warmup's chunks; the per-name summary."""
         return apply_post_warmup(
             forward,
@@ -708,15 +720,15 @@ class OffloadContext:
         )
 
 
-def _profiler_range(direction: Direction, group: _Group) -> contextlib.AbstractContextManager[Any]:
-    """The group's named profiler range (``harness.offload.ranges.profiler_range``)."""
+def group_range(direction: Direction, group: GroupState) -> contextlib.AbstractContextManager[Any]:
+    """Building block for reference variants: the group's named profiler range."""
     return profiler_range(direction, group.name, group.chunk.microbatch, group.layer)
 
 
-def _pop_offloaded(stack: list[_Group]) -> _Group | None:
+def _pop_offloaded(stack: list[GroupState]) -> GroupState | None:
     while stack:
         group = stack.pop()
-        if group.status == _OFFLOADED:
+        if group.status == OFFLOADED:
             return group
     return None
 
