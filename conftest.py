@@ -1,11 +1,5 @@
-"""Root conftest: only the list of fixture modules (pytest reads ``pytest_plugins`` here alone)."""
+"""Root conftest of a checkout: loads the pytest plugin when offload-harness is not installed
+(installed, its ``pytest11`` entry point has already registered it under this same name, and
+pytest then skips this line)."""
 
-pytest_plugins = [
-    "fixtures.options",
-    "fixtures.workers",
-    "fixtures.dist",
-    "fixtures.models",
-    "fixtures.cases",
-    "fixtures.report",
-    "fixtures.properties",
-]
+pytest_plugins = ["harness.plugin"]

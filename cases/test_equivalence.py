@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from harness.cases import Case
+
+pytestmark = pytest.mark.case_matrix  # parametrized over the session's case rows
 
 
 def test_loss_equivalence(case: Case, case_check: Callable[[str, Case], None]) -> None:

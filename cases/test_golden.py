@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from harness.cases import Case
+
+pytestmark = pytest.mark.case_matrix  # parametrized over the session's case rows
 
 
 def test_golden_baseline(case: Case, case_check: Callable[[str, Case], None]) -> None:

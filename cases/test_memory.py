@@ -10,6 +10,8 @@ import pytest
 
 from harness.cases import Case
 
+pytestmark = pytest.mark.case_matrix  # parametrized over the session's case rows
+
 
 @pytest.mark.gpu
 def test_memory_after_forward(case: Case, case_check: Callable[[str, Case], None]) -> None:

@@ -22,22 +22,15 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from harness.impls import IMPLS
 from harness.offload.config import OffloadConfig
-from harness.spec import IMPLS, MCORE_IMPLS, SHARDINGS, ModelSpec, RunSpec, preset
+from harness.spec import PRESETS, SHARDINGS, ModelSpec, RunSpec, preset
 
-_PRESETS = {  # (family, size) -> preset name
-    ("hybrid", "tiny"): "hybrid-tiny",
-    ("hybrid", "small"): "hybrid-small",
-    ("moe", "tiny"): "moe-tiny",
-    ("moe", "small"): "moe-small",
-    ("moe-fused", "tiny"): "moe-tiny-fused",
-    ("moe-fused", "small"): "moe-small-fused",
-    ("hybrid-moe", "tiny"): "hybrid-moe",
-    ("hybrid-moe", "small"): "hybrid-moe-small",
-}
+_PRESETS = {(p.family, p.size): name for name, p in PRESETS.items()}
+"""(family, size) -> preset name (``harness.spec.PRESETS``)."""
 FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(family for family, _ in _PRESETS))
 """Case families, in table order."""
-MODEL_SIZES = ("tiny", "small")
+MODEL_SIZES: tuple[str, ...] = tuple(dict.fromkeys(size for _, size in _PRESETS))
 
 ATTENTION_NAMES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj")
 OFFLOAD_SETS: dict[str, tuple[str, ...] | None] = {
@@ -122,13 +115,11 @@ class Case:
             raise ValueError(f"min_ranks must be an int >= 1, got {self.min_ranks!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"unknown impl {self.impl!r}; known: {', '.join(IMPLS)}")
-        if self.impl in MCORE_IMPLS and (
-            self.schedule != "sequential" or self.sharding != "none" or self.eval_first
-        ):
-            raise ValueError(
-                f"impl {self.impl!r} rows run megatron-core's one-stage schedule (sequential), "
-                "unsharded, without an evaluation pass first"
-            )
+        refused = IMPLS[self.impl].refuse(
+            schedule=self.schedule, sharding=self.sharding, eval_first=self.eval_first
+        )
+        if refused is not None:
+            raise ValueError(refused)
         if self.memory_slack and not self.memory_slack_reason:
             raise ValueError(f"case {self.name}: a memory slack needs a memory_slack_reason")
         if self.tolerance and not self.tolerance_reason:
@@ -142,7 +133,7 @@ class Case:
 
     @property
     def name(self) -> str:
-        prefix = "" if self.impl == "harness" else f"{self.impl}-"
+        prefix = IMPLS[self.impl].case_prefix
         parts = [f"{prefix}{self.family}-{self.pattern}", "+".join(self.offload), self.schedule]
         parts.append(self.precision)
         if self.max_inflight != 1:
@@ -356,12 +347,6 @@ paths; bf16 as the seed runs it. Selected by ``--family mcore`` (or ``all``)."""
 
 FAMILY_CHOICES = ("harness", "mcore", "all")
 """``--family``: whose models the session's rows build (``Case.impl``), or both."""
-
-
-def default_backend(family: str) -> str:
-    """The backend when none is named: megatron-core's own offloader for its own models
-    (``mcore``), else the reference."""
-    return "mcore" if family == "mcore" else "reference"
 
 
 def full_matrix() -> list[Case]:

@@ -19,37 +19,28 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import multiprocessing
-import os
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-
+from harness import settings
 from harness.cases import (
-    FAMILIES,
-    FAMILY_CHOICES,
     MATRICES,
-    MODEL_SIZES,
     Case,
-    default_backend,
     find_case,
     matrix,
-    model_spec,
 )
 from harness.execute import Environment
 from harness.html import render_index
+from harness.impls import family_impl, impl_unavailable
 from harness.judge import judge
 from harness.offload.backends import (
     backend_names,
     backend_unavailable,
     describe,
-    resolve_backend,
 )
+from harness.parallel import run_all
 from harness.report import (
     run_folder,
     summary_text,
@@ -58,7 +49,7 @@ from harness.report import (
     write_summary,
 )
 from harness.repro import ReproSpec, reproduce
-from harness.spec import MCORE_IMPLS, PRECISIONS, PRESETS, SCHEDULES, parse_pattern, preset
+from harness.spec import PRECISIONS, PRESETS, SCHEDULES, parse_pattern, preset
 from harness.tools import TOOLS
 
 
@@ -71,29 +62,19 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+RUN_SETTINGS = ("backend", "race_delays", "device", "model_size", "report_dir")
+"""Settings of every subcommand that runs cases (``harness.settings``, as in pytest)."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="offload-harness", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run cases and write a report")
-    _where_flags(run)
-    run.add_argument("--matrix", default="default", choices=tuple(MATRICES))
-    _family_flag(run)
+    settings.add_arguments(run, (*RUN_SETTINGS, "matrix", "family", "jobs", "update_golden"))
     run.add_argument("--case", help="run only this case id (see `offload-harness cases`)")
-    run.add_argument(
-        "--jobs",
-        type=int,
-        help="worker processes (default: one per core on CPU, 1 on CUDA; on CUDA N workers share "
-        "the GPU, each with its own context and cpu_count // N threads)",
-    )
-    run.add_argument(
-        "--update-golden",
-        action="store_true",
-        help="rewrite the golden baseline traces of the cases run "
-        "(cases/golden/<fingerprint>/<variant>/)",
-    )
-    _case_flags(run.add_argument_group("one custom case (instead of the matrix)"))
+    _case_flags(run.add_argument_group("one custom case (instead of the matrix) or overrides"))
     repro = sub.add_parser("repro", help="reproduce one case: loss table, first divergence")
-    _where_flags(repro)
+    settings.add_arguments(repro, (*RUN_SETTINGS, "family"))
     repro.add_argument("--case", help="a case id; the flags below override its fields")
     _case_flags(repro.add_argument_group("a custom case (or overrides of --case)"))
     repro.add_argument("--preset", choices=tuple(PRESETS), help="model preset of a custom case")
@@ -102,38 +83,11 @@ def _parser() -> argparse.ArgumentParser:
         "--bisect", action="store_true", help="on divergence, find the smallest groups/layers"
     )
     listing = sub.add_parser("cases", help="list case ids")
-    listing.add_argument("--matrix", default="default", choices=tuple(MATRICES))
-    _family_flag(listing)
+    settings.add_arguments(listing, ("matrix", "family"))
     sub.add_parser("backends", help="list backend names, one line each with a description")
     for name, module in TOOLS.items():  # their own parsers take the rest of the line
         sub.add_parser(name, help=f"the {name} tool ({module}; --help for its options)")
     return parser
-
-
-def _family_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--family",
-        default="harness",
-        choices=FAMILY_CHOICES,
-        help="whose models: harness (ours), mcore (megatron-core's HybridModel with "
-        "TransformerEngine; CUDA only; backend defaults to mcore) or all",
-    )
-
-
-def _where_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--backend",
-        default=None,
-        help="name or package.module:factory (default: reference; mcore for megatron-core's "
-        "models)",
-    )
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--model-size", default="auto", choices=("auto", *MODEL_SIZES))
-    parser.add_argument(
-        "--report-dir",
-        default="reports",
-        help="parent of the report folder (default: reports; '' writes none)",
-    )
 
 
 def _case_flags(group: argparse._ArgumentGroup) -> None:
@@ -150,20 +104,7 @@ _DEFAULTS: dict[str, Any] = {
     name: Case.__dataclass_fields__[name].default
     for name in ("steps", "microbatches", "schedule", "precision", "max_inflight")
 }
-"""Custom-case values when a flag is not given: the case table's own defaults."""
-
-
-def _device(value: str) -> torch.device:
-    if value == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is visible on this machine")
-    if value == "auto":
-        value = "cuda" if torch.cuda.is_available() else "cpu"
-    if value == "cuda":
-        # current_device() would initialise CUDA in this process; until something initialises
-        # it the current device is 0. Worker processes are spawned, never forked, in any case.
-        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-        return torch.device("cuda", index)
-    return torch.device(value)
+"""The case fields the flags override, with the case table's own defaults (for the help)."""
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -196,14 +137,14 @@ def _custom_case(args: argparse.Namespace, pattern: str | None = None) -> Case:
         raise UsageError("a custom case needs both --pattern and --offload")
     parse_pattern(pattern)
     names = tuple(n.strip() for n in args.offload.split(",") if n.strip())
-    impl = "mcore" if getattr(args, "family", "harness") == "mcore" else "harness"
+    impl = family_impl(args.family if args.family != "all" else "harness").name
     try:
         return Case(
             family=_family(pattern, names),
             offload=names,
             custom_pattern=pattern,
             impl=impl,
-            **{**_DEFAULTS, **_overrides(args)},
+            **_overrides(args),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -239,92 +180,56 @@ def _run_one(case: Case, env: Environment, update_golden: bool = False) -> dict[
     return judge(case, env, update_golden=update_golden).record()
 
 
-def _jobs(value: int | None, device: torch.device, cases: int) -> int:
-    """Worker processes: ``--jobs``, else one per core on CPU and 1 on CUDA; never more than
-    cases. On CUDA several workers share the GPU: each is its own (spawned) process with its
-    own CUDA context, and every check reads only its own process's state (allocator stats,
-    profiler, sync guard), so cases do not disturb each other; only their timing changes."""
-    if value is not None and value < 1:
-        raise UsageError(f"--jobs must be >= 1, got {value}")
-    default = 1 if device.type == "cuda" else os.cpu_count() or 1
-    return max(1, min(value or default, cases))
+def _timed_case(case: Case, env: Environment, update_golden: bool) -> tuple[dict[str, Any], float]:
+    began = time.perf_counter()
+    return _run_one(case, env, update_golden), time.perf_counter() - began
 
 
 def _run_all(
     cases: list[Case], env: Environment, jobs: int, update_golden: bool = False
 ) -> list[dict[str, Any]]:
-    """Run every case (in ``jobs`` spawned worker processes when jobs > 1, also on CUDA),
-    printing a line as each ends; records come back in table order."""
-    records: list[dict[str, Any] | None] = [None] * len(cases)
-    done = 0
-
-    def report(index: int, record: dict[str, Any], seconds: float) -> None:
-        nonlocal done
-        done += 1
+    """Run every case (in ``jobs`` worker processes when jobs > 1, also on CUDA:
+    ``harness.parallel``), printing a line as each ends; records come back in table order."""
+    records: list[dict[str, Any]] = [{}] * len(cases)
+    calls = [(case, env, update_golden) for case in cases]
+    for done, (index, (record, seconds)) in enumerate(
+        run_all(_timed_case, calls, jobs=jobs, device=env.device), start=1
+    ):
         record["duration"] = round(seconds, 3)
         records[index] = record
         print(
             f"[{done}/{len(cases)}] {cases[index].name} {record['verdict']} ({seconds:.1f}s)",
             flush=True,
         )
-
-    if jobs == 1:
-        for index, case in enumerate(cases):
-            began = time.perf_counter()
-            report(index, _run_one(case, env, update_golden), time.perf_counter() - began)
-        return records  # type: ignore[return-value]
-    context = multiprocessing.get_context("spawn")  # never fork: CUDA cannot survive a fork
-    with ProcessPoolExecutor(
-        jobs, mp_context=context, initializer=_worker_init, initargs=(jobs, env.device)
-    ) as pool:
-        futures = {
-            pool.submit(_timed_case, case, env, update_golden): i for i, case in enumerate(cases)
-        }
-        for future in as_completed(futures):
-            record, seconds = future.result()
-            report(futures[future], record, seconds)
-    return records  # type: ignore[return-value]
-
-
-def _worker_init(jobs: int, device: torch.device | None = None) -> None:
-    # Each worker gets its share of the cores; more intra-op threads would spin against the
-    # other workers'. On CUDA every worker uses the parent's device (same index): make it the
-    # current one too, for streams and allocator queries that do not name a device.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // jobs))
-    if device is not None and device.type == "cuda":
-        torch.cuda.set_device(device)
-
-
-def _timed_case(case: Case, env: Environment, update_golden: bool) -> tuple[dict[str, Any], float]:
-    began = time.perf_counter()
-    return _run_one(case, env, update_golden), time.perf_counter() - began
+    return records
 
 
 def _environment(args: argparse.Namespace) -> Environment:
-    if args.backend is None:  # megatron-core's models run megatron-core's offloader by default
-        family = getattr(args, "family", "harness")
-        args.backend = default_backend("mcore" if str(args.case).startswith("mcore-") else family)
-    try:
-        resolve_backend(args.backend)
-    except ValueError as exc:
-        raise UsageError(f"--backend: {exc}") from None
-    device = _device(args.device)
-    size = (
-        args.model_size
-        if args.model_size != "auto"
-        else ("small" if device.type == "cuda" else "tiny")
+    """The run's settings (``harness.settings``, as pytest resolves them) as an environment.
+    With ``--case``, megatron-core's rows default to megatron-core's offloader."""
+    impl = None
+    custom = [f for f in ("pattern", "offload", "preset") if getattr(args, f, None)]
+    if getattr(args, "case", None) and custom:
+        flags = "/".join(f"--{f}" for f in ("pattern", "preset", "offload") if hasattr(args, f))
+        raise UsageError(f"--case and {flags} are exclusive")
+    if getattr(args, "case", None):
+        try:
+            impl = find_case(args.case).impl
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    values = {name: getattr(args, name) for name in settings.OPTIONS if hasattr(args, name)}
+    resolved = settings.checked(lambda: settings.resolve(values, impl=impl), UsageError)
+    args.backend = resolved.backend
+    args.settings = resolved
+    return Environment(
+        device=resolved.device, backend=resolved.backend, model_size=resolved.model_size
     )
-    return Environment(device=device, backend=args.backend, model_size=size)
 
 
 def _unavailable(cases: list[Case], env: Environment) -> str | None:
-    """Why the backend or megatron-core's models cannot run the cases here (None if they can)."""
+    """Why the backend or a case's model implementation cannot run here (None if they can)."""
     reason = backend_unavailable(env.backend, env.device)
-    if reason is None and any(case.impl in MCORE_IMPLS for case in cases):
-        from harness.mcore_models import unavailable_reason
-
-        reason = unavailable_reason(env.device)
-    return reason
+    return reason or impl_unavailable([case.impl for case in cases], env.device)
 
 
 def command_run(args: argparse.Namespace) -> int:
@@ -341,7 +246,9 @@ def command_run(args: argparse.Namespace) -> int:
     table = {c.name for name in MATRICES for c in matrix(name, "all")}
     if args.update_golden and any(c.name not in table for c in cases):
         raise UsageError("--update-golden: golden traces are kept for case-table rows only")
-    jobs = _jobs(args.jobs, env.device, len(cases))
+    jobs = settings.checked(
+        lambda: settings.resolve_jobs(args.settings.jobs, env.device, len(cases)), UsageError
+    )
     start = time.perf_counter()
     records = _run_all(cases, env, jobs, args.update_golden)
     fields: dict[str, Any] = dict(
@@ -351,8 +258,8 @@ def command_run(args: argparse.Namespace) -> int:
         model_size=env.model_size,
         seconds=round(time.perf_counter() - start, 2),
     )
-    if args.report_dir:
-        folder = run_folder(Path(args.report_dir))
+    if args.settings.report_dir is not None:
+        folder = run_folder(args.settings.report_dir)
         summary = json.loads(write_summary(folder, records, **fields).read_text())
         write_junit(folder, summary)
         began = time.perf_counter()
@@ -417,21 +324,16 @@ def _repro_spec(args: argparse.Namespace) -> ReproSpec:
 
 
 def _preset_name(family: str, size: str) -> str:
-    base = model_spec(family, size)
-    return next(name for name in PRESETS if preset(name) == base)
+    return next(name for name, p in PRESETS.items() if (p.family, p.size) == (family, size))
 
 
 def _preset_family(name: str) -> str:
-    for family in FAMILIES:
-        for size in MODEL_SIZES:
-            if model_spec(family, size) == preset(name):
-                return family
-    raise UsageError(f"--preset {name}: no case family uses this preset")
+    return PRESETS[name].family
 
 
 def command_repro(args: argparse.Namespace) -> int:
     spec = _repro_spec(args)
-    result = reproduce(spec, bisect=args.bisect, report_root=Path(args.report_dir))
+    result = reproduce(spec, bisect=args.bisect, report_root=args.settings.report_dir)
     return 1 if result.diverged else 0
 
 
@@ -442,7 +344,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         if args.command == "cases":
-            print("\n".join(c.name for c in matrix(args.matrix, args.family)))
+            chosen = settings.checked(
+                lambda: settings.resolve(
+                    {"matrix": args.matrix, "family": args.family, "device": "cpu"}
+                ),
+                UsageError,
+            )
+            print("\n".join(c.name for c in matrix(chosen.matrix, chosen.family)))
             return 0
         if args.command == "backends":
             names = backend_names()

@@ -4,9 +4,9 @@ the libraries shows up as drift, separately from the offload-vs-baseline verdict
 
 Paths: ``<golden root>/<fingerprint id>/<variant>/<case file>.txt``.
 
-* The golden root is the checkout's ``cases/golden/``, or the folder named by the environment
-  variable ``OFFLOAD_HARNESS_GOLDEN_DIR`` (for an installed package, or a CI's own goldens);
-  ``golden_root`` says which, and an installed package without either has none.
+* The golden root is the checkout's ``cases/golden/`` (installed: the package's copy,
+  ``harness/suite/golden/``), or the folder named by the environment variable
+  ``OFFLOAD_HARNESS_GOLDEN_DIR`` (a CI's own goldens); ``golden_root`` says which.
 * The fingerprint id (``cpu-avx2-1a2b3c4d``) names the machine kind; its folder holds a
   ``FINGERPRINT`` file with every field, and each trace repeats them in its header.
 * The variant is the model size, with ``-ranks<N>`` for sharded cases under torchrun at N ranks
@@ -42,6 +42,8 @@ from harness.fingerprint import Fingerprint
 
 CHECKOUT_ROOT = Path(__file__).resolve().parents[1] / "cases" / "golden"
 """Where a checkout keeps the committed golden files."""
+INSTALLED_ROOT = Path(__file__).resolve().parent / "suite" / "golden"
+"""Where an installed package keeps them (the checkout's ``cases/`` is ``harness.suite``)."""
 
 ROOT_VARIABLE = "OFFLOAD_HARNESS_GOLDEN_DIR"
 """The environment variable that names another golden root."""
@@ -51,11 +53,14 @@ FINGERPRINT_FILE = "FINGERPRINT"
 
 def golden_root() -> Path | None:
     """``$OFFLOAD_HARNESS_GOLDEN_DIR`` if set, else the checkout's ``cases/golden/`` if this
-    package runs from a checkout, else None."""
+    package runs from a checkout, else the installed package's copy, else None."""
     named = os.environ.get(ROOT_VARIABLE)
     if named:
         return Path(named)
-    return CHECKOUT_ROOT if CHECKOUT_ROOT.is_dir() else None
+    for root in (CHECKOUT_ROOT, INSTALLED_ROOT):
+        if root.is_dir():
+            return root
+    return None
 
 
 def variant(model_size: str, sharding: str = "none", world_size: int = 1) -> str:

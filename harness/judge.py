@@ -37,8 +37,8 @@ from harness.checks import (
     transfer_problems,
 )
 from harness.execute import CaseRun, Environment, MemoryResult, memory_unsupported, run_case
+from harness.impls import IMPLS
 from harness.report import case_record, memory_record
-from harness.spec import MCORE_IMPLS
 
 GUARDED_STEP = 2
 """The steady step the host-sync check guards: the first is the offloader's warmup (its pinned
@@ -195,12 +195,9 @@ def _memory(runs: CaseRuns) -> CheckOutcome:
 def _sync(runs: CaseRuns) -> CheckOutcome:
     if runs.env.device.type != "cuda":
         return _not_applicable("sync", "needs a CUDA device (host-device synchronisation)")
-    if runs.case.impl in MCORE_IMPLS:
-        return _not_applicable(
-            "sync",
-            "not guarded on megatron-core's models: their own modules drive megatron-core's "
-            "offloader, not the harness protocol the guard wraps (it is guarded on ours)",
-        )
+    unguarded = IMPLS[runs.case.impl].sync_guard
+    if unguarded is not None:
+        return _not_applicable("sync", unguarded)
     from harness.syncguard import HostSyncError
 
     res = runs.guarded()

@@ -56,6 +56,8 @@ from typing import Any
 import torch
 
 from harness import distributed
+from harness.groups import LAYERS
+from harness.impls import IMPLS
 from harness.models.hybrid import INIT_STD, make_batches
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload, PassThroughGroup
@@ -150,7 +152,7 @@ def transformer_config(
 
     bf16 = run.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
-    gpt = gpt_layers(spec.layers) if spec.impl == "mcore-gpt" else None
+    gpt = gpt_layers(spec.layers) if IMPLS[spec.impl].gpt_layers else None
     fields: dict[str, Any] = dict(
         num_layers=len(gpt) if gpt is not None else len(spec.layers),
         hidden_size=spec.hidden_size,
@@ -171,7 +173,7 @@ def transformer_config(
         attention_backend=AttnBackend.unfused,
         deterministic_mode=True,
     )
-    if "E" in spec.layers:
+    if any(LAYERS[symbol].experts for symbol in spec.layers):
         fields.update(
             num_moe_experts=spec.num_experts,
             moe_router_topk=spec.moe_topk,
@@ -198,7 +200,7 @@ def transformer_config(
             fine_grained_offloading_max_inflight_offloads=offload.max_inflight_offloads,
             delta_offload_bytes_across_pp_ranks=offload.delta_offload_bytes_across_pp_ranks,
         )
-    if "+" in spec.layers:
+    if any(LAYERS[symbol].kind == "mla" for symbol in spec.layers):
         return MLATransformerConfig(
             **fields,
             multi_latent_attention=True,
@@ -221,7 +223,7 @@ def build_model(spec: ModelSpec, run: RunSpec, config: Any, device: torch.device
     _reset_moe_metrics()
     torch.manual_seed(run.seed)
     model_parallel_cuda_manual_seed(run.seed)  # seeds CUDA and megatron-core's RNG tracker
-    if spec.impl == "mcore-gpt":
+    if IMPLS[spec.impl].gpt_layers:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
 

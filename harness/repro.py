@@ -66,7 +66,7 @@ class ReproSpec:
         argv += ["--steps", str(self.run.steps), "--microbatches", str(self.run.microbatches)]
         argv += ["--schedule", self.run.schedule, "--precision", self.run.precision]
         argv += ["--seed", str(self.run.seed), "--backend", self.backend]
-        argv += ["--device", self.device.type, "--model-size", self.model_size]
+        argv += ["--device", str(self.device), "--model-size", self.model_size]
         return [*argv, "--bisect"] if bisect else argv
 
     def to_json(self) -> dict[str, Any]:
@@ -205,10 +205,11 @@ def reproduce(
     spec: ReproSpec,
     *,
     bisect: bool = False,
-    report_root: Path = Path("reports"),
+    report_root: Path | None = Path("reports"),
     out: Callable[[str], None] = print,
 ) -> ReproResult:
-    """Run, compare, localise, write the bundle; every report line also goes to ``out``."""
+    """Run, compare, localise, write the bundle (none when ``report_root`` is None, as
+    ``--report-dir ''`` asks); every report line also goes to ``out``."""
     lines: list[str] = []
 
     def say(text: str) -> None:
@@ -258,6 +259,9 @@ def reproduce(
             say(f"bisect: {line}")
     elif bisect:
         say("bisect: nothing diverges, nothing to bisect")
+    if report_root is None:
+        out("repro bundle: none (--report-dir '')")
+        return ReproResult(diverged=diverged, lines=lines, bundle=None)
     bundle = write_bundle(spec, plain, offload, lines, report_root, bisect=bisect)
     out(f"repro bundle: {bundle}")
     return ReproResult(diverged=diverged, lines=lines, bundle=bundle)

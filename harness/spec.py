@@ -9,47 +9,26 @@ Layer pattern symbols follow Megatron-Core's hybrid models:
     ``+`` MLA (multi-latent attention)      ``*`` standard attention
     ``-`` dense SwiGLU MLP                  ``E`` mixture of experts
 
-Each symbol also fixes the offload groups its layer opens, in start order
-(``GROUP_TEMPLATES``); the models, the predictor and config validation all read that one table.
+Each symbol also fixes the offload groups its layer opens, in start order; the symbols and the
+group names live in one table each, ``harness.groups``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-LAYER_SYMBOLS: dict[str, str] = {
-    "+": "mla",
-    "*": "attention",
-    "-": "mlp",
-    "E": "moe",
-}
-"""Legal pattern symbols and the layer kind each builds."""
+from harness.groups import ATTENTION_KINDS_EXCLUSIVE as EXCLUSIVE
+from harness.groups import GROUPS, LAYERS, MoEPath
+from harness.impls import IMPLS
 
-ALL_GROUP_NAMES: tuple[str, ...] = (
-    "attn_norm",
-    "qkv_linear",
-    "core_attn",
-    "attn_proj",
-    "mlp_norm",
-    "expert_fc1",
-    "moe_act",
-    "fused_group_mlp",
-)
-"""Offload group names the harness models can open (Megatron's ``gdp_qkv`` has no layer here)."""
+LAYER_SYMBOLS: dict[str, str] = {symbol: layer.kind for symbol, layer in LAYERS.items()}
+"""Legal pattern symbols and the layer kind each builds (``harness.groups.LAYERS``)."""
 
-MoEPath = Literal["unfused", "fused"]
-
-IMPLS: tuple[str, ...] = ("harness", "mcore", "mcore-gpt")
-"""Who implements a model: ``harness`` (ours, ``harness.models``), ``mcore`` (megatron-core's
-``HybridModel`` with TransformerEngine layers, ``harness.mcore_models``) or ``mcore-gpt``
-(megatron-core's ``GPTModel`` with TransformerEngine layers: each of its layers is one attention
-and one MLP/MoE symbol of the pattern, ``*E*E`` is two layers). All read the same pattern and
-sizes and open the same groups in the same order."""
-
-MCORE_IMPLS: tuple[str, ...] = ("mcore", "mcore-gpt")
-"""The impls whose models are megatron-core's (``harness.mcore_models``)."""
+ALL_GROUP_NAMES: tuple[str, ...] = tuple(GROUPS)
+"""Offload group names the harness models can open (``harness.groups.GROUPS``)."""
 
 
 def gpt_layers(layers: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -57,33 +36,25 @@ def gpt_layers(layers: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 
     Raises ValueError for a pattern that is not such pairs."""
     pairs = tuple(zip(layers[::2], layers[1::2], strict=False))
-    if len(layers) % 2 or any(a not in "*+" or m not in "-E" for a, m in pairs):
+    if len(layers) % 2 or any(
+        LAYERS[a].role != "attention" or LAYERS[m].role != "mlp" for a, m in pairs
+    ):
+        attention = " or ".join(f"'{s}'" for s, x in LAYERS.items() if x.role == "attention")
+        mlp = " or ".join(f"'{s}'" for s, x in LAYERS.items() if x.role == "mlp")
         raise ValueError(
-            f"pattern {''.join(layers)!r}: a GPT model's layer is attention ('*' or '+') then "
-            "MLP ('-') or MoE ('E'); write the pattern as such pairs, e.g. '*E*E'"
+            f"pattern {''.join(layers)!r}: a GPT model's layer is attention ({attention}) then "
+            f"MLP ({mlp}); write the pattern as such pairs, e.g. '*E*E'"
         )
     return pairs
 
 
 def group_template(symbol: str, moe_path: MoEPath = "unfused") -> tuple[str, ...]:
-    """Offload groups a layer of ``symbol`` opens, in start order (Megatron's templates).
-
-    ``+``: the MLA layer has a real input norm, so attn_norm wraps the whole attention block.
-    ``*``: standard attention fuses its norm into the QKV projection, so there is no attn_norm.
-    ``-``: the dense MLP layer fuses its norm into fc1 and dense MLPs are not wired: no groups.
-    ``E``: the MoE layer has a real pre-MLP norm; experts are either fc1/act (unfused) or one
-    fused unit.
-    """
-    if symbol == "+":
-        return ("attn_norm", "qkv_linear", "core_attn", "attn_proj")
-    if symbol == "*":
-        return ("qkv_linear", "core_attn", "attn_proj")
-    if symbol == "-":
-        return ()
-    if symbol == "E":
-        experts = ("expert_fc1", "moe_act") if moe_path == "unfused" else ("fused_group_mlp",)
-        return ("mlp_norm", *experts)
-    raise ValueError(f"unknown layer symbol {symbol!r}; legal: {_legal_symbols()}")
+    """Offload groups a layer of ``symbol`` opens, in start order (Megatron's templates; each
+    symbol's reason is its ``harness.groups.LAYERS`` note)."""
+    try:
+        return LAYERS[symbol].template(moe_path)
+    except KeyError:
+        raise ValueError(f"unknown layer symbol {symbol!r}; legal: {_legal_symbols()}") from None
 
 
 def _legal_symbols() -> str:
@@ -115,9 +86,13 @@ def parse_pattern(pattern: str) -> tuple[str, ...]:
                 f"pattern {pattern!r}: unknown symbol {symbol!r} at position {index}; "
                 f"legal: {_legal_symbols()}"
             )
-    if "*" in pattern and "+" in pattern:
+    exclusive = {LAYERS[s].kind: s for s in reversed(pattern) if LAYERS[s].kind in EXCLUSIVE}
+    if len(exclusive) > 1:
+        (a, kind_a), (b, kind_b) = sorted(
+            ((s, kind) for kind, s in exclusive.items()), key=lambda item: pattern.index(item[0])
+        )[:2]
         raise ValueError(
-            f"pattern {pattern!r} mixes '*' (attention) and '+' (MLA); use one or the other"
+            f"pattern {pattern!r} mixes {a!r} ({kind_a}) and {b!r} ({kind_b}); use one or the other"
         )
     return tuple(pattern)
 
@@ -169,7 +144,7 @@ class ModelSpec:
     """``unfused``: fc1 -> act -> fc2 (groups expert_fc1, moe_act); ``fused``: one unit
     (group fused_group_mlp)."""
     impl: str = "harness"
-    """``harness`` or ``mcore`` (``IMPLS``)."""
+    """Who builds the model (``harness.impls.IMPLS``)."""
     layers: tuple[str, ...] = field(init=False)
     """The parsed pattern, one symbol per layer."""
 
@@ -209,7 +184,7 @@ class ModelSpec:
             )
         if self.impl not in IMPLS:
             raise ValueError(f"ModelSpec.impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
-        if self.impl == "mcore-gpt":
+        if IMPLS[self.impl].gpt_layers:
             gpt_layers(self.layers)
         if self.moe_path not in ("unfused", "fused"):
             raise ValueError(
@@ -356,22 +331,40 @@ def _hybrid_moe_small() -> ModelSpec:
     )
 
 
-PRESETS = {
-    "hybrid-tiny": _hybrid_tiny,
-    "hybrid-small": _hybrid_small,
-    "moe-tiny": _moe_tiny,
-    "moe-tiny-fused": lambda: _moe_tiny("fused"),
-    "moe-small": _moe_small,
-    "moe-small-fused": lambda: _moe_small("fused"),
-    "hybrid-moe": _hybrid_moe_tiny,
-    "hybrid-moe-small": _hybrid_moe_small,
-}
-"""Named model presets; ``-tiny`` ones are CPU sized, ``-small`` ones GPU sized."""
+@dataclass(frozen=True, kw_only=True)
+class Preset:
+    """A named model: the case family it serves at a model size, and its builder."""
+
+    name: str
+    family: str
+    """The case family (``harness.cases.FAMILIES``) whose rows build it at ``size``."""
+    size: str
+    """``tiny`` (CPU sized) or ``small`` (GPU sized)."""
+    build: Callable[[], ModelSpec]
+
+
+_PRESET_LIST = (
+    Preset(name="hybrid-tiny", family="hybrid", size="tiny", build=_hybrid_tiny),
+    Preset(name="hybrid-small", family="hybrid", size="small", build=_hybrid_small),
+    Preset(name="moe-tiny", family="moe", size="tiny", build=_moe_tiny),
+    Preset(name="moe-small", family="moe", size="small", build=_moe_small),
+    Preset(
+        name="moe-tiny-fused", family="moe-fused", size="tiny", build=lambda: _moe_tiny("fused")
+    ),
+    Preset(
+        name="moe-small-fused", family="moe-fused", size="small", build=lambda: _moe_small("fused")
+    ),
+    Preset(name="hybrid-moe", family="hybrid-moe", size="tiny", build=_hybrid_moe_tiny),
+    Preset(name="hybrid-moe-small", family="hybrid-moe", size="small", build=_hybrid_moe_small),
+)
+PRESETS: dict[str, Preset] = {p.name: p for p in _PRESET_LIST}
+"""Named model presets, the one registry (the case table's families and sizes read it too);
+``-tiny`` ones are CPU sized, ``-small`` ones GPU sized."""
 
 
 def preset(name: str) -> ModelSpec:
     """The named preset (exact name, no fuzzy lookup)."""
     try:
-        return PRESETS[name]()
+        return PRESETS[name].build()
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None

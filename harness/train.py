@@ -30,10 +30,11 @@ from collections.abc import Iterator
 import torch
 
 from harness import distributed
+from harness.impls import IMPLS
 from harness.models.hybrid import HybridModel, build_model, loss_fn, make_batches
 from harness.offload.protocol import Offloader
 from harness.runs import RunHooks, TrainResult
-from harness.spec import MCORE_IMPLS, SHARDINGS, ModelSpec, RunSpec
+from harness.spec import SHARDINGS, ModelSpec, RunSpec
 
 # cuBLAS reads this once, when its handle is created: set it before any CUDA matmul.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -160,60 +161,71 @@ def train(
     keep_final_state: bool = False,
     sharding: str = "none",
 ) -> TrainResult:
-    """Train ``run.steps`` steps of ``spec`` with ``offloader``; see the module docstring
-    (megatron-core's models, ``spec.impl`` in ``MCORE_IMPLS``: ``harness.mcore_models.train``)."""
+    """Train ``run.steps`` steps of ``spec`` with ``offloader`` under deterministic kernels, on
+    the model implementation ``spec.impl`` names (``harness.impls``: ours is
+    ``train_harness``, see the module docstring)."""
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}; known: {', '.join(SHARDINGS)}")
     device = torch.device(device)
-    hooks = hooks or RunHooks()
-    if spec.impl in MCORE_IMPLS:  # megatron-core's model, schedule, DDP and optimizer
-        from harness import mcore_models
-
-        with deterministic(device):
-            return mcore_models.train(
-                spec,
-                run,
-                offloader,
-                device,
-                hooks=hooks,
-                keep_grads=keep_grads,
-                keep_final_state=keep_final_state,
-                sharding=sharding,
-            )
+    trainer = IMPLS[spec.impl].train_function()
     with deterministic(device):
-        if sharding == "zero3":
-            model = shard_model(spec, run, device)
-            optimizer = _Optimizer(model, run, master_copies=False)
-        else:
-            model = prepare_model(spec, run, device)
-            optimizer = _Optimizer(model, run, master_copies=run.precision == "bf16")
-        shard = distributed.rank() if sharding == "zero3" else 0
-        data = make_batches(
-            spec, seed=run.seed, steps=run.steps, microbatches=run.microbatches, shard=shard
+        return trainer(  # type: ignore[no-any-return]
+            spec,
+            run,
+            offloader,
+            device,
+            hooks=hooks or RunHooks(),
+            keep_grads=keep_grads,
+            keep_final_state=keep_final_state,
+            sharding=sharding,
         )
-        data = data.to(device)
-        losses = torch.zeros(run.steps, run.microbatches, device=device)
-        order = schedule_order(run.schedule, run.microbatches)
-        grads: list[dict[str, torch.Tensor]] = []
-        if run.eval_first:
-            _eval_pass(model, offloader, data[0], run.microbatches)
-        for step in range(run.steps):
-            context = hooks.step_context(step) if hooks.step_context else contextlib.nullcontext()
-            with context:
-                _run_step(model, offloader, data[step], losses[step], order, run, step, hooks)
-                if keep_grads:
-                    grads.append(
-                        {n: _local(p.grad).detach().clone() for n, p in model.named_parameters()}
-                    )
-                optimizer.step()
-        state = (
-            {n: _local(p).detach().cpu() for n, p in model.named_parameters()}
-            if keep_final_state
-            else {}
-        )
-        return TrainResult(
-            losses=losses.cpu(), logs=offloader.iteration_logs(), grads=grads, final_state=state
-        )
+
+
+def train_harness(
+    spec: ModelSpec,
+    run: RunSpec,
+    offloader: Offloader,
+    device: torch.device,
+    *,
+    hooks: RunHooks,
+    keep_grads: bool,
+    keep_final_state: bool,
+    sharding: str,
+) -> TrainResult:
+    """One run of our model (``harness.models``): see the module docstring."""
+    if sharding == "zero3":
+        model = shard_model(spec, run, device)
+        optimizer = _Optimizer(model, run, master_copies=False)
+    else:
+        model = prepare_model(spec, run, device)
+        optimizer = _Optimizer(model, run, master_copies=run.precision == "bf16")
+    shard = distributed.rank() if sharding == "zero3" else 0
+    data = make_batches(
+        spec, seed=run.seed, steps=run.steps, microbatches=run.microbatches, shard=shard
+    )
+    data = data.to(device)
+    losses = torch.zeros(run.steps, run.microbatches, device=device)
+    order = schedule_order(run.schedule, run.microbatches)
+    grads: list[dict[str, torch.Tensor]] = []
+    if run.eval_first:
+        _eval_pass(model, offloader, data[0], run.microbatches)
+    for step in range(run.steps):
+        context = hooks.step_context(step) if hooks.step_context else contextlib.nullcontext()
+        with context:
+            _run_step(model, offloader, data[step], losses[step], order, run, step, hooks)
+            if keep_grads:
+                grads.append(
+                    {n: _local(p.grad).detach().clone() for n, p in model.named_parameters()}
+                )
+            optimizer.step()
+    state = (
+        {n: _local(p).detach().cpu() for n, p in model.named_parameters()}
+        if keep_final_state
+        else {}
+    )
+    return TrainResult(
+        losses=losses.cpu(), logs=offloader.iteration_logs(), grads=grads, final_state=state
+    )
 
 
 def _eval_pass(

@@ -51,17 +51,24 @@ section bridge "${T_BRIDGE:-90}" "${CASES[@]}" cases/test_equivalence.py cases/t
   --backend reference
 section repro "${T_REPRO:-120}" python3 -m harness repro --case "$SEED" --backend 'mcore+delays' \
   --device cuda --report-dir "$OUT/reports"
-# Rows without a golden file: record theirs (the others are left as committed).
-mapfile -t NEW < <(python3 - <<'PY'
+# Rows without a golden file for this machine's fingerprint: record theirs (the others are left
+# as committed).
+if [[ " $SECTIONS " == *" golden-new "* ]]; then
+  mapfile -t NEW < <(python3 - <<'PY'
+import torch
+from harness import fingerprint, golden
 from harness.cases import MCORE_ROWS
-from harness.golden import golden_path
+here = fingerprint.of(torch.device("cuda"))
+root = golden.golden_root()
 for row in MCORE_ROWS:
-    if not golden_path("cuda-h200", row.name).exists():
+    path = None if root is None else golden.golden_path(here.id, "small", row.name, root)
+    if path is None or not path.exists():
         print(f"cases/test_golden.py::test_golden_baseline[{row.name}]")
 PY
-)
-if ((${#NEW[@]})); then
-  section golden-new "${T_GOLDEN_NEW:-150}" "${CASES[@]}" --update-golden "${NEW[@]}"
+  )
+  if ((${#NEW[@]})); then
+    section golden-new "${T_GOLDEN_NEW:-150}" "${CASES[@]}" --update-golden "${NEW[@]}"
+  fi
 fi
 section bench "${T_BENCH:-400}" python3 scripts/bench --models hybrid-small,moe-small,moe-bench,hybrid-bench \
   --rounds 3 --breakdown --host-time 5 --out "$OUT/bench"

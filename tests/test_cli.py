@@ -26,8 +26,7 @@ from harness.offload.reference import OffloadContext
 pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parents[1]
-PLUGINS = ("-p", "fixtures.options", "-p", "fixtures.dist", "-p", "fixtures.models")
-PLUGINS += ("-p", "fixtures.cases", "-p", "fixtures.report")
+PLUGINS = ("-p", "harness.plugin")
 
 
 # ---------------------------------------------------------------------------- a broken backend
@@ -345,17 +344,18 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     ],
 )
 def test_jobs(jobs: int | None, device: str, cases: int, expected: int) -> None:
-    from harness.cli import _jobs
+    from harness.settings import resolve_jobs
 
-    assert _jobs(jobs, torch.device(device, 0 if device == "cuda" else None), cases) == expected
+    where = torch.device(device, 0 if device == "cuda" else None)
+    assert resolve_jobs(jobs, where, cases) == expected
 
 
 def test_jobs_default_on_cpu_is_one_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    from harness.cli import _jobs
+    from harness.settings import resolve_jobs
 
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    assert _jobs(None, torch.device("cpu"), 21) == 16
-    assert _jobs(None, torch.device("cpu"), 5) == 5
+    assert resolve_jobs(None, torch.device("cpu"), 21) == 16
+    assert resolve_jobs(None, torch.device("cpu"), 5) == 5
 
 
 @pytest.mark.parametrize("jobs", [None, "4"])
@@ -388,7 +388,7 @@ def test_run_on_cuda_takes_jobs_without_initialising_cuda(
 def test_jobs_zero_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     _fake_cuda(monkeypatch)
     assert main(["run", "--device", "cuda", "--jobs", "0"]) == 2
-    assert "--jobs must be >= 1" in _one_error_line(capsys)
+    assert "--jobs must be an int >= 1; got '0'" in _one_error_line(capsys)
 
 
 def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -396,6 +396,7 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
     parent's device; the initialiser gives each worker cpu_count // jobs threads and makes that
     device current."""
     import harness.cli
+    import harness.parallel
 
     _fake_cuda(monkeypatch)
     device = torch.device("cuda", 0)
@@ -418,7 +419,8 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
             future.set_result(fn(*args))
             return future
 
-    monkeypatch.setattr(harness.cli, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(harness.parallel, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(harness.parallel, "as_completed", lambda futures: list(futures))
     monkeypatch.setattr(
         harness.cli, "_timed_case", lambda case, env, update: ({"verdict": case.name}, 0.5)
     )
@@ -428,7 +430,7 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
     assert [r["verdict"] for r in records] == [c.name for c in cases]
     (pool,) = pools
     assert pool["jobs"] == 4 and pool["mp_context"].get_start_method() == "spawn"
-    assert pool["initializer"] is harness.cli._worker_init
+    assert pool["initializer"] is harness.parallel.use_share
     assert pool["initargs"] == (4, device)
 
     threads: list[int] = []
@@ -436,9 +438,9 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    harness.cli._worker_init(*pool["initargs"])
-    harness.cli._worker_init(4, torch.device("cpu"))
-    harness.cli._worker_init(32)
+    harness.parallel.use_share(*pool["initargs"])
+    harness.parallel.use_share(4, torch.device("cpu"))
+    harness.parallel.use_share(32)
     assert threads == [4, 4, 1] and devices == [device]
 
 
@@ -478,9 +480,9 @@ def test_mutation_score_jobs_on_cuda(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--device", "cuda:1"], "only 1 CUDA device"),
-        (["--device", "tpu"], "expected auto, cpu, cuda or cuda:<index>"),
-        (["--device", "cuda", "--jobs", "0"], "--jobs must be >= 1"),
+        (["--device", "cuda:1"], "--device cuda:1: this machine has 1 CUDA device(s)"),
+        (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
+        (["--device", "cuda", "--jobs", "0"], "--jobs must be an int >= 1; got '0'"),
     ],
 )
 def test_mutation_score_bad_device_or_jobs(
@@ -508,7 +510,7 @@ def test_mutation_score_workers_use_the_device(
     mutation_score._use(torch.device("cuda", 0), 2)
     mutation_score._use(torch.device("cpu"), 1)
     assert threads == [2, 1] and devices == [torch.device("cuda", 0)]
-    pool = mutation_score._pool(2)
+    pool = mutation_score.worker_pool(2)
     try:
         assert pool._mp_context.get_start_method() == "spawn"
     finally:
@@ -541,7 +543,7 @@ def test_mutation_score_repeat_correct_prints_times(
         pools.append(n)
         return ThreadPoolExecutor(n)
 
-    monkeypatch.setattr(mutation_score, "_pool", pool)
+    monkeypatch.setattr(mutation_score, "worker_pool", pool)
     assert mutation_score.repeat_correct(2, torch.device("cpu"), "tiny", jobs) == 1
     lines = capsys.readouterr().out.splitlines()
     assert pools == ([] if jobs == 1 else [jobs])

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures.options import Settings
 from harness.judge import CASE_TESTS
 from harness.offload.broken import CATALOGUE, NO_DELAYS, BrokenBackend
 from harness.offload.reference import RaceDelays
+from harness.plugin.options import Settings
 from harness.spec import ALL_GROUP_NAMES
 
 pytest_plugins = ["pytester"]

@@ -1,4 +1,4 @@
-"""``harness.distributed`` and the process-group plugin (``fixtures.dist``).
+"""``harness.distributed`` and the process-group plugin (``harness.plugin.dist``).
 
 * the helpers without a group (world size 1) and across two spawned gloo ranks that rendezvous on
   a ``FileStore`` in a temporary folder (no port);
@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fixtures.cases import skip_reason
-from fixtures.dist import collection_difference
 from harness import distributed
 from harness.cases import SEED_CASE, Case
+from harness.plugin.cases import skip_reason
+from harness.plugin.dist import collection_difference
 
 pytest_plugins = ["pytester"]
 
@@ -134,8 +134,7 @@ def test_zero3_case_rows() -> None:
 
 # ------------------------------------------------------------------- acceptance, subprocess
 CONFTEST = """
-pytest_plugins = ["fixtures.options", "fixtures.dist", "fixtures.models", "fixtures.cases",
-                  "fixtures.report"]
+pytest_plugins = ["harness.plugin"]
 """
 
 SLEEPER = """

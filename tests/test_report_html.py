@@ -19,8 +19,7 @@ from harness.report import write_junit, write_summary
 
 pytest_plugins = ["pytester"]
 
-PLUGINS = ("-p", "fixtures.options", "-p", "fixtures.dist", "-p", "fixtures.models")
-PLUGINS += ("-p", "fixtures.cases", "-p", "fixtures.report")
+PLUGINS = ("-p", "harness.plugin")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

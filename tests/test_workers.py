@@ -1,6 +1,6 @@
-"""The suite's xdist defaults (``fixtures.workers``), end to end in subprocesses: a worker that
-dies mid-test ends ``pytest -n 2`` with a failure in bounded time instead of hanging on a
-replaced worker, and the repository's own configuration runs with ``-p no:xdist``."""
+"""The suite's xdist defaults (``harness.plugin.workers``), end to end in subprocesses: a
+worker that dies mid-test ends ``pytest -n 2`` with a failure in bounded time instead of hanging
+on a replaced worker, and the repository's own configuration runs with ``-p no:xdist``."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _pytest(folder: Path, *args: str, timeout: float) -> subprocess.CompletedPro
 def test_a_killed_worker_ends_the_session_with_a_failure(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_dying=DYING)
     began = time.monotonic()
-    done = _pytest(pytester.path, "-p", "fixtures.workers", "-n", "2", timeout=120)
+    done = _pytest(pytester.path, "-p", "harness.plugin.workers", "-n", "2", timeout=120)
     seconds = time.monotonic() - began
     out = done.stdout
     assert done.returncode == pytest.ExitCode.TESTS_FAILED, out + done.stderr
@@ -64,7 +64,7 @@ def test_same_worker(n):
     print("WORKER", os.environ["PYTEST_XDIST_WORKER"])
 """
     )
-    done = _pytest(pytester.path, "-p", "fixtures.workers", "-n", "2", "-rP", timeout=120)
+    done = _pytest(pytester.path, "-p", "harness.plugin.workers", "-n", "2", "-rP", timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     workers = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("WORKER")}
     assert len(workers) == 1, done.stdout  # one group, one worker
@@ -73,6 +73,8 @@ def test_same_worker(n):
 def test_repository_config_runs_without_xdist(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_plain="def test_ok():\n    pass\n")
     config = ("-c", str(REPO / "pyproject.toml"), "--rootdir", str(pytester.path))
-    done = _pytest(pytester.path, *config, "-p", "no:xdist", "-p", "fixtures.workers", timeout=60)
+    done = _pytest(
+        pytester.path, *config, "-p", "no:xdist", "-p", "harness.plugin.workers", timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout

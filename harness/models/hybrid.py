@@ -9,21 +9,23 @@ are bitwise identical, and nothing touches the global RNG.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.models.layers import AttentionLayer, MLALayer, MLPLayer, RMSNorm
-from harness.models.moe import MoELayer
+from harness.groups import LAYERS
+from harness.models.layers import RMSNorm
 from harness.offload.protocol import Offloader
 from harness.spec import ModelSpec
 
-LAYER_CLASSES: dict[str, type[nn.Module]] = {
-    "+": MLALayer,
-    "*": AttentionLayer,
-    "-": MLPLayer,
-    "E": MoELayer,
-}
+
+def layer_class(symbol: str) -> type[nn.Module]:
+    """Our layer class for a pattern symbol (``harness.groups.LAYERS``' ``layer_class``)."""
+    module, _, name = LAYERS[symbol].layer_class.partition(":")
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
 
 INIT_STD = 0.02
 DATA_SHARD_STRIDE = 7_919 * 1_000_003
@@ -37,7 +39,7 @@ class HybridModel(nn.Module):
         super().__init__()
         self.spec = spec
         self.embedding = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size))
-        self.layers = nn.ModuleList(LAYER_CLASSES[symbol](spec) for symbol in spec.layers)
+        self.layers = nn.ModuleList(layer_class(symbol)(spec) for symbol in spec.layers)
         self.final_norm = RMSNorm(spec.hidden_size)
         self.head = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size))
         for layer in self.layers:

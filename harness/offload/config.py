@@ -17,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from harness.groups import GROUPS
 from harness.spec import ALL_GROUP_NAMES, ModelSpec
 
-MOE_EXPERT_NAMES = frozenset({"expert_fc1", "moe_act", "fused_group_mlp"})
+MOE_EXPERT_NAMES = frozenset(name for name, group in GROUPS.items() if group.routing_dependent)
 """Groups whose saved shapes vary with routing; they never use the pinned pool."""
 
 
@@ -62,18 +63,7 @@ class OffloadConfig:
             )
         if len(set(self.offload_modules)) != len(self.offload_modules):
             raise ValueError(f"offload_modules lists a name twice: {self.offload_modules!r}")
-        if "attn_proj" in self.offload_modules and "core_attn" not in self.offload_modules:
-            raise ValueError(
-                "offload module 'attn_proj' requires 'core_attn' (attn_proj's input is "
-                "core_attn's output, which core_attn's backward needs)"
-            )
-        if "fused_group_mlp" in self.offload_modules and {"expert_fc1", "moe_act"} & set(
-            self.offload_modules
-        ):
-            raise ValueError(
-                "offload module 'fused_group_mlp' cannot be combined with 'expert_fc1' or "
-                "'moe_act' (the fused expert path has no separate fc1/activation groups)"
-            )
+        _check_group_rules(self.offload_modules)
         _check_int(self, "min_offloaded_tensor_size", minimum=0)
         _check_int(self, "delta_offload_bytes_across_pp_ranks", minimum=0)
         _check_int(self, "pp_rank", minimum=0)
@@ -108,6 +98,28 @@ class OffloadConfig:
     def replace(self, **changes: object) -> OffloadConfig:
         """A copy with fields changed (validated again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _check_group_rules(names: tuple[str, ...]) -> None:
+    """Each selected name's ``requires`` and ``excludes`` (``harness.groups.GROUPS``)."""
+    selected = set(names)
+    for name in names:
+        group = GROUPS[name]
+        missing = [f"'{other}'" for other in group.requires if other not in selected]
+        if missing:
+            raise ValueError(
+                f"offload module '{name}' requires {' and '.join(missing)} ({group.reason})"
+            )
+    # The name that excludes the most is named first ('fused_group_mlp' cannot be combined
+    # with 'expert_fc1' or 'moe_act'), whichever of them was listed first.
+    for name in sorted(selected, key=lambda n: (-len(GROUPS[n].excludes), names.index(n))):
+        group = GROUPS[name]
+        clash = [f"'{other}'" for other in group.excludes if other in selected]
+        if clash:
+            allowed = " or ".join(f"'{other}'" for other in group.excludes)
+            raise ValueError(
+                f"offload module '{name}' cannot be combined with {allowed} ({group.reason})"
+            )
 
 
 def _check_int(obj: object, name: str, *, minimum: int) -> None:

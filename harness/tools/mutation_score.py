@@ -30,21 +30,21 @@ runs.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from harness import settings
 from harness.cases import Case, default_matrix
 from harness.execute import Environment
 from harness.judge import judge
 from harness.offload.backends import parse_race_delays, resolve_backend, with_delays
 from harness.offload.broken import CATALOGUE, NO_DELAYS, BrokenBackend, entry
+from harness.parallel import run_ordered, worker_pool
 
 
 @dataclass(frozen=True)
@@ -59,37 +59,6 @@ class Outcome:
     cases_run: int = 0
     seconds: float = 0.0
     note: str = ""
-
-
-def _device_arg(value: str) -> str:
-    """``auto``, ``cpu``, ``cuda`` or ``cuda:<index>``."""
-    if value in ("auto", "cpu", "cuda"):
-        return value
-    kind, _, index = value.partition(":")
-    if kind != "cuda" or not index.isdigit():
-        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:<index>, got {value!r}")
-    return value
-
-
-def _device(value: str) -> torch.device:
-    """The device every case runs on, without initialising CUDA in this process (workers are
-    spawned; the parent only needs the name): ``cuda`` is the current device, which is 0 until
-    something initialises CUDA."""
-    if value == "auto":
-        value = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(value)
-    if device.type != "cuda":
-        return device
-    if not torch.cuda.is_available():
-        raise SystemExit(f"mutation_score: --device {value}: no CUDA device is visible")
-    if device.index is None:
-        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-        return torch.device("cuda", index)
-    if device.index >= torch.cuda.device_count():
-        raise SystemExit(
-            f"mutation_score: --device {value}: only {torch.cuda.device_count()} CUDA device(s)"
-        )
-    return device
 
 
 def _use(device: torch.device, threads: int) -> None:
@@ -166,20 +135,6 @@ def _line(outcome: Outcome, width: int) -> str:
     return f"{outcome.name:<{width}}  missed  ({outcome.note}; {outcome.cases_run} cases run)"
 
 
-def _pool(jobs: int) -> ProcessPoolExecutor:
-    # spawn, never fork: a forked child cannot use CUDA, and the parent must not touch it
-    return ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
-
-
-def _parallel(jobs: int, fn: Callable[..., object], calls: Iterable[tuple[object, ...]]) -> list:
-    calls = list(calls)
-    if jobs == 1:
-        return [fn(*call) for call in calls]
-    with _pool(jobs) as pool:
-        futures = [pool.submit(fn, *call) for call in calls]
-        return [future.result() for future in futures]
-
-
 def _batches(
     jobs: int, fn: Callable[..., object], calls: list[tuple[object, ...]], repeats: int
 ) -> Iterator[list]:
@@ -190,7 +145,7 @@ def _batches(
         for _ in range(repeats):
             yield [fn(*call) for call in calls]
         return
-    pool = _pool(jobs)
+    pool = worker_pool(jobs)
     try:
         queued = [[pool.submit(fn, *call) for call in calls] for _ in range(repeats)]
         for futures in queued:
@@ -243,16 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="offload-harness mutation-score", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument(
-        "--device", default="auto", type=_device_arg, help="auto (default), cpu, cuda, cuda:<index>"
-    )
-    parser.add_argument(
-        "--jobs",
-        type=int,
-        help="worker processes (default: one per core on CPU, 1 on CUDA; on CUDA N workers "
-        "share the GPU, each with its own context and cpu_count // N threads)",
-    )
-    parser.add_argument("--model-size", default="auto", choices=("auto", "tiny", "small"))
+    settings.add_arguments(parser, ("device", "jobs", "model_size"))
     parser.add_argument("--only", action="append", help="this broken backend only (repeatable)")
     parser.add_argument(
         "--race-delays",
@@ -266,20 +212,17 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: the reference offloader over the default matrix N times (false alarms)",
     )
     args = parser.parse_args(argv)
-    device = _device(args.device)
-    size = (
-        args.model_size
-        if args.model_size != "auto"
-        else ("small" if device.type == "cuda" else "tiny")
-    )
-    if args.jobs is not None and args.jobs < 1:
-        parser.error("--jobs must be >= 1")
+    try:
+        device = settings.resolve_device(args.device)
+        size = settings.resolve_model_size(args.model_size, device)
+        jobs = settings.resolve_jobs(args.jobs, device, tasks=1 << 30)  # capped per mode below
+    except settings.SettingError as exc:
+        parser.error(str(exc))
     if args.race_delays not in ("auto", "none"):
         try:
             parse_race_delays(args.race_delays)
         except ValueError as exc:
             parser.error(str(exc))
-    jobs = args.jobs or (1 if device.type == "cuda" else os.cpu_count() or 1)
     if args.repeat_correct is not None:
         if args.repeat_correct < 1:
             parser.error("--repeat-correct must be >= 1")
@@ -295,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = max(1, (os.cpu_count() or 1) // jobs)
     began = time.perf_counter()
     calls = [(b.name, str(device), size, args.race_delays, threads) for b in selected]
-    outcomes: list[Outcome] = _parallel(jobs, score_one, calls)
+    outcomes: list[Outcome] = run_ordered(score_one, calls, jobs=jobs)
     width = max(len(b.name) for b in selected)
     for outcome in outcomes:
         print(_line(outcome, width))

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from harness.cases import MATRICES, Case, matrix
-from harness.offload.backends import resolve_backend
+from harness import settings
+from harness.cases import Case, matrix
 from harness.report import folder_name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="offload-harness nightly", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--matrix", default="full", choices=tuple(MATRICES))
-    parser.add_argument("--backend", default="reference")
-    parser.add_argument("--report-dir", type=Path, default=REPO / "reports")
-    parser.add_argument("--jobs", type=int, help="xdist workers on CPU (default: one per core)")
+    settings.add_arguments(
+        parser,
+        ("matrix", "backend", "report_dir", "jobs"),
+        matrix="full",
+        report_dir=str(REPO / "reports"),
+    )
     parser.add_argument(
         "--allow-missing-golden",
         action="store_true",
@@ -126,16 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = parser.parse_args(argv)
-    if args.jobs is not None and args.jobs < 1:
-        print(
-            f"offload-harness nightly: error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr
-        )
-        return 2
     try:
-        resolve_backend(args.backend)
-    except ValueError as exc:
-        print(f"offload-harness nightly: error: --backend: {exc}", file=sys.stderr)
+        resolved = settings.resolve(
+            {"matrix": args.matrix, "backend": args.backend, "device": "cpu", "jobs": args.jobs}
+        )
+        if settings.resolve_report_dir(args.report_dir) is None:
+            raise settings.SettingError("--report-dir: the gate reads the report; name a folder")
+    except settings.SettingError as exc:
+        print(f"offload-harness nightly: error: {exc}", file=sys.stderr)
         return 2
+    args.backend, args.jobs = resolved.backend, resolved.jobs
     gpus = torch.cuda.device_count()
     ranks = max(gpus, 1)
     name = folder_name()

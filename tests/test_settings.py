@@ -1,0 +1,154 @@
+"""One settings model (``harness.settings``): every entry point takes a setting with the same
+flag, default, help and error - the CLI's subcommands, the tools and the pytest plugin."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from harness import cli, settings
+from harness.plugin.options import PYTEST_OPTIONS
+from harness.tools import mutation_score, nightly
+
+pytest_plugins = ["pytester"]
+
+
+def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if a.option_strings}
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_cli_and_pytest_options_come_from_one_table(pytestconfig: pytest.Config) -> None:
+    run = _actions(_subparser("run"))
+    shared = [name for name in PYTEST_OPTIONS if name in run]
+    assert set(shared) >= {"backend", "device", "model_size", "report_dir", "matrix", "family"}
+    for name in shared:
+        option = settings.OPTIONS[name]
+        assert run[name].option_strings == [option.flag]
+        assert run[name].help == option.help
+        assert run[name].default == (False if option.switch else option.default), name
+    group = pytestconfig._parser.getgroup("offload-harness")
+    registered = {arg.names()[0]: arg.attrs() for arg in group.options}
+    for name in PYTEST_OPTIONS:
+        option = settings.OPTIONS[name]
+        assert registered[option.flag]["help"] == option.help, name
+        assert registered[option.flag].get("default", False) == (
+            False if option.switch else option.default
+        ), name
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--device", "gpu", "--device must be auto, cpu, cuda or cuda:N; got 'gpu'"),
+        ("--model-size", "huge", "--model-size must be one of auto, tiny, small; got 'huge'"),
+        ("--family", "theirs", "--family must be one of harness, mcore, all; got 'theirs'"),
+        ("--matrix", "nightly", "--matrix must be one of default, full; got 'nightly'"),
+        ("--backend", "nope", "--backend: unknown backend 'nope'"),
+    ],
+)
+def test_bad_value_is_the_same_one_line_error_in_cli_and_pytest(
+    pytester: pytest.Pytester,
+    capsys: pytest.CaptureFixture[str],
+    flag: str,
+    value: str,
+    message: str,
+) -> None:
+    assert cli.main(["run", flag, value]) == 2
+    cli_error = capsys.readouterr().err.strip()
+    assert cli_error.startswith(f"offload-harness: error: {message}"), cli_error
+    assert "\n" not in cli_error
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "harness.plugin", flag, value)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"ERROR: {message}" in result.stderr.str(), result.stderr.str()
+
+
+def test_device_resolver_accepts_the_same_spellings_everywhere() -> None:
+    assert settings.resolve_device("cpu") == torch.device("cpu")
+    auto = settings.resolve_device("auto")
+    assert auto.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    for bad in ("cuda:x", "cpu:0", "tpu", "cuda:"):
+        with pytest.raises(settings.SettingError, match="--device must be auto, cpu, cuda or"):
+            settings.resolve_device(bad)
+    if not torch.cuda.is_available():
+        for text in ("cuda", "cuda:0"):
+            with pytest.raises(settings.SettingError, match="no CUDA device is visible"):
+                settings.resolve_device(text)
+    else:
+        count = torch.cuda.device_count()
+        assert settings.resolve_device(f"cuda:{count - 1}") == torch.device("cuda", count - 1)
+        with pytest.raises(settings.SettingError, match="CUDA device"):
+            settings.resolve_device(f"cuda:{count}")
+
+
+def test_model_size_and_jobs_rules() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert settings.resolve_model_size("auto", cpu) == "tiny"
+    assert settings.resolve_model_size("auto", cuda) == "small"
+    assert settings.resolve_model_size("small", cpu) == "small"
+    assert settings.resolve_jobs(None, cuda, tasks=10) == 1
+    assert settings.resolve_jobs(None, cpu, tasks=1) == 1
+    assert settings.resolve_jobs("3", cpu, tasks=2) == 2
+    for bad in ("0", "-1", "x", "1.5"):
+        with pytest.raises(settings.SettingError, match="--jobs must be an int >= 1"):
+            settings.resolve_jobs(bad, cpu, tasks=4)
+
+
+def test_tools_take_the_shared_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        mutation_score.main(["--device", "gpu"])
+    assert exit_info.value.code == 2
+    assert "--device must be auto, cpu, cuda or cuda:N; got 'gpu'" in capsys.readouterr().err
+    assert nightly.main(["--jobs", "0", "--dry-run"]) == 2
+    assert "--jobs must be an int >= 1; got '0'" in capsys.readouterr().err
+    assert nightly.main(["--backend", "nope", "--dry-run"]) == 2
+    assert "--backend: unknown backend 'nope'" in capsys.readouterr().err
+
+
+def test_race_delays_need_cuda_in_cli_and_pytest(
+    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for a session without CUDA")
+    message = "--race-delays / <backend>+delays need a CUDA device"
+    for argv in (["--race-delays", "d2h=1"], ["--backend", "reference+delays"]):
+        assert cli.main(["run", "--device", "cpu", *argv]) == 2
+        assert message in capsys.readouterr().err
+        pytester.makepyfile("def test_nothing():\n    pass\n")
+        result = pytester.runpytest_subprocess("-p", "harness.plugin", "--device", "cpu", *argv)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        assert message in result.stderr.str()
+
+
+def test_empty_report_dir_writes_nothing_in_run_and_pytest(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(pytester.path)
+    case = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
+    code = cli.main(["run", "--device", "cpu", "--case", case, "--steps", "2", "--report-dir", ""])
+    assert code in (0, 1)
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "harness.plugin", "--report-dir", "")
+    assert result.ret == 0
+    leftovers = sorted(p.name for p in pytester.path.iterdir() if p.is_dir())
+    assert "reports" not in leftovers, leftovers
+
+
+def test_unknown_setting_is_refused() -> None:
+    with pytest.raises(settings.SettingError, match="unknown settings: colour"):
+        settings.resolve({"colour": "red"})
+
+
+def test_every_setting_is_documented() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "options.md").read_text()
+    for option in settings.OPTIONS.values():
+        assert f"| `{option.flag}` |" in text, option.flag
