@@ -5,27 +5,33 @@ the GPU run is the real benchmark.)"""
 from __future__ import annotations
 
 import gzip
-import importlib
 import json
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    return importlib.import_module("harness.tools.bench")
+from harness import timeline
+from harness.offload.config import OffloadConfig
+from harness.tools.bench import driver, main, trace
+from harness.tools.bench.cli import parser
+from harness.tools.bench.driver import bench_one
+from harness.tools.bench.measure import VariantResult, combine_rounds
+from harness.tools.bench.models import bench_model, selection
+from harness.tools.bench.output import render, render_breakdown, render_compute
+from harness.tools.bench.peers import VARIANTS
+from harness.tools.bench.targets import targets
+from harness.tools.bench.trace import baseline_compute, host_vs_baseline, trace_line, trace_timeline
 
 
 def test_cpu_smoke_run_writes_every_variant(
-    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--device", "cpu", "--models", "hybrid-tiny", "--steps", "1", "--warmup", "1"]
     argv += ["--microbatches", "1", "--precision", "fp32", "--rounds", "1", "--out", str(tmp_path)]
-    assert bench.main(argv) == 0
+    assert main(argv) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     (model,) = report["models"]
     variants = model["variants"]
@@ -50,14 +56,12 @@ def test_cpu_smoke_run_writes_every_variant(
     assert report["commit"]["sha"] and report["machine"]["torch"] == torch.__version__
 
 
-def test_cpu_rounds_smoke_run(
-    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cpu_rounds_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--rounds 2``: every variant that runs has two rounds of step times and ratios, the
     table a range column, the targets their range; the breakdown is the rounds' medians."""
     argv = ["--device", "cpu", "--models", "hybrid-tiny", "--rounds", "2", "--steps", "1"]
     argv += ["--breakdown", "--out", str(tmp_path)]
-    assert bench.main(argv) == 0
+    assert main(argv) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     (model,) = report["models"]
     assert model["rounds"] == 2 and report["args"]["rounds"] == 2
@@ -89,7 +93,7 @@ def test_cpu_rounds_smoke_run(
 
 
 def test_rounds_interleave_and_ratio_per_round(
-    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Rounds run every variant in order, again and again; a variant that is missing or fails
     is not run again. Ratios are per round: reference's median ratio 1.02 (range 1.00-1.05)
@@ -101,18 +105,18 @@ def test_rounds_interleave_and_ratio_per_round(
     def fake_run_variant(factory: str, *args: object, **kwargs: object) -> object:
         calls.append(factory)
         if factory == "mcore":
-            return bench.VariantResult(status="not installed")
+            return VariantResult(status="not installed")
         done = calls.count(factory)
         if done > len(steps_ms[factory]):
-            return bench.VariantResult(status="failed: RuntimeError: boom")
+            return VariantResult(status="failed: RuntimeError: boom")
         step = steps_ms[factory][done - 1] / 1e3
-        return bench.VariantResult(step_s=step, step_s_all=[step], d2h_bytes=1, h2d_bytes=1)
+        return VariantResult(step_s=step, step_s_all=[step], d2h_bytes=1, h2d_bytes=1)
 
-    monkeypatch.setattr(bench, "run_variant", fake_run_variant)
-    args = bench.parser().parse_args(["--device", "cpu", "--models", "hybrid-tiny"])
+    monkeypatch.setattr(driver, "run_variant", fake_run_variant)
+    args = parser().parse_args(["--device", "cpu", "--models", "hybrid-tiny"])
     args.min_tensor_size = 1024
-    found = {v: v for v in bench.VARIANTS}
-    entry = bench.bench_one("hybrid-tiny", args, torch.device("cpu"), found)
+    found = {v: v for v in VARIANTS}
+    entry = bench_one("hybrid-tiny", args, torch.device("cpu"), found)
     round_1 = ["baseline", "reference", "mcore", "save_on_cpu"]
     assert calls == [*round_1, "baseline", "reference", "save_on_cpu", "baseline", "reference"]
     v = entry["variants"]
@@ -126,40 +130,38 @@ def test_rounds_interleave_and_ratio_per_round(
     assert v["save_on_cpu"].step_s is None and v["save_on_cpu"].ratio is None
 
     entry["raw_copy_s"] = 0.001  # hideable: the 1.03 target applies
-    verdicts = {t.target: t for t in bench.targets("hybrid-tiny", entry)}
+    verdicts = {t.target: t for t in targets("hybrid-tiny", entry)}
     hideable = verdicts["reference step <= 1.03x baseline (hideable)"]
     # the baseline's rounds (10-12 ms) differ by more than the target's 3%: said with the ratio
     measured = "1.020x (1.000-1.050 over 3 rounds); baseline rounds 10.0-12.0 ms"
     assert (hideable.measured, hideable.verdict) == (measured, "PASS")
     v["baseline"].round_step_s = [0.010, 0.0102, 0.0101]  # within 3%: nothing added
-    quiet = {t.target: t for t in bench.targets("hybrid-tiny", entry)}
+    quiet = {t.target: t for t in targets("hybrid-tiny", entry)}
     assert quiet["reference step <= 1.03x baseline (hideable)"].measured.endswith("rounds)")
     v["baseline"].round_step_s = [0.010, 0.012, 0.011]
     assert verdicts["reference faster than save_on_cpu"].verdict == "n/a"
-    lines = bench.render(entry, list(verdicts.values())).splitlines()
+    lines = render(entry, list(verdicts.values())).splitlines()
     assert lines[2].split()[:4] == ["baseline", "11.00", "1.000", "1.000-1.000"]
     assert lines[3].split()[:4] == ["reference", "11.55", "1.020", "1.000-1.050"]
     assert lines[4].split()[:4] == ["mcore", "-", "-", "-"]
 
 
-def test_rounds_with_different_bytes_fail(bench: ModuleType) -> None:
+def test_rounds_with_different_bytes_fail() -> None:
     """Every round moves the same bytes per step (same spec, seed and steps), or the variant is
     failed."""
     rounds = [
-        bench.VariantResult(step_s=0.01, step_s_all=[0.01], d2h_bytes=4 * 2**20, h2d_bytes=0),
-        bench.VariantResult(step_s=0.01, step_s_all=[0.01], d2h_bytes=2 * 2**20, h2d_bytes=0),
+        VariantResult(step_s=0.01, step_s_all=[0.01], d2h_bytes=4 * 2**20, h2d_bytes=0),
+        VariantResult(step_s=0.01, step_s_all=[0.01], d2h_bytes=2 * 2**20, h2d_bytes=0),
     ]
-    merged = bench.combine_rounds(rounds)
+    merged = combine_rounds(rounds)
     assert merged.status.startswith("failed: bytes per step differ between rounds"), merged
     assert "4.0/0.0, 2.0/0.0" in merged.status
-    assert bench.combine_rounds(rounds[:1]).status == "ok"
+    assert combine_rounds(rounds[:1]).status == "ok"
 
 
-def test_rounds_zero_is_an_argparse_error(
-    bench: ModuleType, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_rounds_zero_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--device", "cpu", "--rounds", "0"])
+        main(["--device", "cpu", "--rounds", "0"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "offload-harness bench: error: argument --rounds: must be >= 1, got 0", err
@@ -171,29 +173,32 @@ def test_rounds_zero_is_an_argparse_error(
     [
         (["--device", "cpu", "--models", "no-such-model"], "unknown model 'no-such-model'"),
         (["--device", "cpu", "--models", "moe-tiny", "--offload", "attn_norm"], "opens none"),
-        (["--device", "tpu"], "--device must be"),
+        (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
+        (["--device", "cuda:x"], "--device must be auto, cpu, cuda or cuda:N; got 'cuda:x'"),
     ],
 )
 def test_bad_input_is_one_line(
-    bench: ModuleType, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert bench.main(argv) == 2
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    assert err.startswith("bench: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_device_defaults_to_auto() -> None:
+    """``--device`` is the shared setting (``harness.settings.resolve_device``): ``auto`` picks
+    cuda when one is visible, else cpu (where the default model is the smoke test's)."""
+    assert parser().parse_args([]).device == "auto"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
-def test_without_cuda_fails_in_one_line(
-    bench: ModuleType, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert bench.main([]) == 2
+def test_without_cuda_fails_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--device", "cuda"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "needs a CUDA device" in err, err
+    assert err == "bench: --device cuda: no CUDA device is visible on this machine\n", err
 
 
-def test_cpu_breakdown_and_trace(
-    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cpu_breakdown_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--breakdown``: per variant, per microbatch forward/backward and the step's other phases
     (medians) in the table and bench.json; ``--trace DIR``: one gzipped chrome trace per variant
     that ran, with the phases as ``bench.*`` ranges. 1F1B, so the backwards are not in
@@ -203,7 +208,7 @@ def test_cpu_breakdown_and_trace(
     argv = ["--device", "cpu", "--models", "hybrid-tiny", "--steps", "1", "--warmup", "1"]
     argv += ["--microbatches", "2", "--schedule", "1f1b", "--precision", "fp32", "--rounds", "1"]
     argv += ["--breakdown", "--trace", str(traces), "--out", str(tmp_path)]
-    assert bench.main(argv) == 0
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert torch.Tensor.backward is original_backward  # the timing hook is gone
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -235,7 +240,7 @@ def test_cpu_breakdown_and_trace(
     )
 
 
-def test_breakdown_table(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+def test_breakdown_table(capsys: pytest.CaptureFixture[str]) -> None:
     """The breakdown table: one row per variant (its status when it did not run), then each
     variant's difference to the baseline; nothing without ``--breakdown``."""
 
@@ -252,7 +257,7 @@ def test_breakdown_table(bench: ModuleType, capsys: pytest.CaptureFixture[str]) 
             "clock": "cuda",
         }
 
-    result = bench.VariantResult
+    result = VariantResult
     variants = {
         "baseline": result(step_s=0.010, breakdown=phases(0.001, 0.010)),
         "reference": result(step_s=0.011, breakdown=phases(0.0015, 0.011)),
@@ -260,7 +265,7 @@ def test_breakdown_table(bench: ModuleType, capsys: pytest.CaptureFixture[str]) 
         "save_on_cpu": result(step_s=0.02),
     }
     entry = {"variants": variants, "run": {"microbatches": 2}}
-    lines = bench.render_breakdown(entry)
+    lines = render_breakdown(entry)
     assert "medians of 3 timed steps, CUDA events" in lines[0]
     columns = "variant step ms fwd0 fwd1 bwd0 bwd1 end_it optim drain other"
     assert lines[1].split() == columns.split()
@@ -271,10 +276,10 @@ def test_breakdown_table(bench: ModuleType, capsys: pytest.CaptureFixture[str]) 
     assert len(lines) == 8
     for r in variants.values():
         r.breakdown = None
-    assert bench.render_breakdown(entry) == []
+    assert render_breakdown(entry) == []
 
 
-def test_trace_timeline_of_a_device_trace(bench: ModuleType, tmp_path: Path) -> None:
+def test_trace_timeline_of_a_device_trace(tmp_path: Path) -> None:
     """A trace with device events: its ``harness.timeline`` figures and summary line (the
     figures themselves: tests/test_timeline.py); an unreadable one: why, in one line."""
     kernel = {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 0, "dur": 100}
@@ -283,24 +288,24 @@ def test_trace_timeline_of_a_device_trace(bench: ModuleType, tmp_path: Path) -> 
     path = tmp_path / "m_reference.pt.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": [kernel, copy]}, f)
-    found, host = bench.trace_timeline(path)
+    found, host = trace_timeline(path)
     assert host == {}  # no host events in this trace
     assert found["busy_s"] == pytest.approx(100e-6) and found["d2h"]["hidden_s"] == (
         pytest.approx(50e-6)
     )
-    result = bench.VariantResult(trace=str(path), timeline=found)
-    assert bench.trace_line(result) == found["summary"]
-    assert bench.trace_line(result).endswith(
+    result = VariantResult(trace=str(path), timeline=found)
+    assert trace_line(result) == found["summary"]
+    assert trace_line(result).endswith(
         "DtoH 1.0 MiB in 0.05 ms (21.0 GB/s), 100% hidden; HtoD none"
     )
     broken = tmp_path / "broken.pt.trace.json.gz"
     broken.write_bytes(b"not gzip")
-    assert bench.trace_timeline(broken)[0].startswith("not analysed: ")
-    assert bench.trace_timeline(broken)[1] is None
-    assert bench.trace_line(bench.VariantResult(trace="not traced: x")) == "not traced: x"
+    assert trace_timeline(broken)[0].startswith("not analysed: ")
+    assert trace_timeline(broken)[1] is None
+    assert trace_line(VariantResult(trace="not traced: x")) == "not traced: x"
 
 
-def test_host_self_time_against_the_baseline(bench: ModuleType, tmp_path: Path) -> None:
+def test_host_self_time_against_the_baseline(tmp_path: Path) -> None:
     """``--trace``: each traced variant's host self time minus the baseline's, in total and by
     the names that grew most, in its timeline and its trace line; untraced variants and a run
     without a traced baseline get nothing."""
@@ -318,29 +323,29 @@ def test_host_self_time_against_the_baseline(bench: ModuleType, tmp_path: Path) 
         path = tmp_path / f"m_{name}.pt.trace.json.gz"
         with gzip.open(path, "wt") as f:
             json.dump({"traceEvents": [kernel, *events]}, f)
-        found, self_times[name] = bench.trace_timeline(path)
-        variants[name] = bench.VariantResult(trace=str(path), timeline=found)
-    variants["mcore"] = bench.VariantResult(status="not installed", trace="not traced: x")
-    bench.host_vs_baseline(variants, self_times)
+        found, self_times[name] = trace_timeline(path)
+        variants[name] = VariantResult(trace=str(path), timeline=found)
+    variants["mcore"] = VariantResult(status="not installed", trace="not traced: x")
+    host_vs_baseline(variants, self_times)
     host = variants["reference"].timeline["host_vs_baseline"]
     assert host["total_s"] == pytest.approx(30e-6)
     assert host["top"] == [
         ["aten::fill_", pytest.approx(20e-6)],
         ["_GroupCommit", pytest.approx(10e-6)],
     ]
-    assert bench.trace_line(variants["reference"]).endswith(
+    assert trace_line(variants["reference"]).endswith(
         "; host self time vs baseline +0.03 ms (aten::fill_ +0.02, _GroupCommit +0.01)"
     )
     assert "host_vs_baseline" not in variants["baseline"].timeline
-    assert bench.trace_line(variants["mcore"]) == "not traced: x"
+    assert trace_line(variants["mcore"]) == "not traced: x"
     del variants["baseline"], self_times["baseline"]
     variants["reference"].timeline.pop("host_vs_baseline")
-    bench.host_vs_baseline(variants, self_times)  # no traced baseline: nothing to compare with
+    host_vs_baseline(variants, self_times)  # no traced baseline: nothing to compare with
     assert "host_vs_baseline" not in variants["reference"].timeline
 
 
 def test_variants_run_without_the_deterministic_fill(
-    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Every variant runs with the deterministic mode's fill of new memory off (it filled each
     new pinned buffer of the peers on the host); the flag is back afterwards."""
@@ -350,24 +355,22 @@ def test_variants_run_without_the_deterministic_fill(
 
     def fake_run_variant(factory: object, *args: object, **kwargs: object) -> object:
         seen.append(det.fill_uninitialized_memory)
-        return bench.VariantResult(step_s=0.01, step_s_all=[0.01], d2h_bytes=1, h2d_bytes=1)
+        return VariantResult(step_s=0.01, step_s_all=[0.01], d2h_bytes=1, h2d_bytes=1)
 
-    monkeypatch.setattr(bench, "run_variant", fake_run_variant)
+    monkeypatch.setattr(driver, "run_variant", fake_run_variant)
     argv = ["--device", "cpu", "--models", "hybrid-tiny", "--rounds", "1", "--out", str(tmp_path)]
-    assert bench.main(argv) == 0
+    assert main(argv) == 0
     assert seen and not any(seen)
     assert det.fill_uninitialized_memory is True
 
 
-def test_cpu_host_time(
-    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cpu_host_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--host-time N``: one clocked run per variant that ran, its per-step host time inside
     the offloader by entry point in bench.json and one line each; the reference's commits,
     packs and unpacks are there, the baseline's no-op never packs."""
     argv = ["--device", "cpu", "--models", "hybrid-tiny", "--steps", "1", "--warmup", "1"]
     argv += ["--rounds", "1", "--host-time", "2", "--out", str(tmp_path)]
-    assert bench.main(argv) == 0
+    assert main(argv) == 0
     out = capsys.readouterr().out
     (model,) = json.loads((tmp_path / "bench.json").read_text())["models"]
     variants = model["variants"]
@@ -387,14 +390,12 @@ def test_cpu_host_time(
         assert variants["mcore"]["host_time"].startswith("not clocked")
 
 
-def _entry(bench: ModuleType, base_ms: float, ref_ms: float) -> dict[str, Any]:
+def _entry(base_ms: float, ref_ms: float) -> dict[str, Any]:
     """A one-model entry with a baseline and a reference of one round each."""
-    base = bench.VariantResult(step_s=base_ms / 1e3, round_step_s=[base_ms / 1e3])
-    ref = bench.VariantResult(
-        step_s=ref_ms / 1e3, round_step_s=[ref_ms / 1e3], d2h_bytes=1, h2d_bytes=1
-    )
+    base = VariantResult(step_s=base_ms / 1e3, round_step_s=[base_ms / 1e3])
+    ref = VariantResult(step_s=ref_ms / 1e3, round_step_s=[ref_ms / 1e3], d2h_bytes=1, h2d_bytes=1)
     ref.round_ratio = [ref_ms / base_ms]
-    missing = bench.VariantResult(status="not installed")
+    missing = VariantResult(status="not installed")
     return {
         "variants": {"baseline": base, "reference": ref, "mcore": missing, "save_on_cpu": missing},
         "raw_d2h_s": 0.016,
@@ -423,66 +424,60 @@ HIDEABLE = "reference step <= 1.03x baseline (hideable)"
     ],
 )
 def test_hideable_needs_the_compute_to_hide_each_direction(
-    bench: ModuleType, forward_ms: float, backward_ms: float, verdict: str, says: str
+    forward_ms: float, backward_ms: float, verdict: str, says: str
 ) -> None:
     """The 1.03x target applies when the baseline's forward compute covers the D2H copies at
     the raw rate and its backward compute the H2D copies; otherwise a model that is not
     copy-bound is host-bound and the line says so, with the ratio, as n/a."""
-    entry = _entry(bench, 45.0, 54.0)
+    entry = _entry(45.0, 54.0)
     entry["baseline_compute"] = {
         "step_s": (forward_ms + backward_ms + 5) / 1e3,
         "forward_s": forward_ms / 1e3,
         "backward_s": backward_ms / 1e3,
     }
-    found = {t.target: t for t in bench.targets("m", entry)}[HIDEABLE]
+    found = {t.target: t for t in targets("m", entry)}[HIDEABLE]
     assert found.verdict == verdict and says in found.measured, found
-    line = next(
-        x for x in bench.render_compute(entry) if x.startswith("device compute of a traced")
-    )
+    line = next(x for x in render_compute(entry) if x.startswith("device compute of a traced"))
     assert f"forwards {forward_ms:.2f}" in line and "D2H 16.00, H2D 16.00" in line
 
 
-def test_copy_bound_and_unmeasured_compute_keep_their_rules(bench: ModuleType) -> None:
+def test_copy_bound_and_unmeasured_compute_keep_their_rules() -> None:
     """Copies longer than the baseline step: copy-bound, whatever the compute; no compute
     figure (a failed trace, CPU): the step rule alone decides."""
-    entry = _entry(bench, 30.0, 36.0)  # 32 ms of copies > 30 ms step
+    entry = _entry(30.0, 36.0)  # 32 ms of copies > 30 ms step
     entry["baseline_compute"] = {"step_s": 0.05, "forward_s": 0.025, "backward_s": 0.025}
-    found = {t.target: t for t in bench.targets("m", entry)}
+    found = {t.target: t for t in targets("m", entry)}
     assert found[HIDEABLE].verdict == "n/a" and found[HIDEABLE].measured.startswith("copy-bound")
-    entry = _entry(bench, 45.0, 46.0)
+    entry = _entry(45.0, 46.0)
     entry["baseline_compute"] = "failed: RuntimeError: no trace"
-    found = {t.target: t for t in bench.targets("m", entry)}
+    found = {t.target: t for t in targets("m", entry)}
     assert (found[HIDEABLE].verdict, found[HIDEABLE].measured) == ("PASS", "1.022x")
-    assert bench.render_compute(entry) == [
+    assert render_compute(entry) == [
         "device compute of the baseline: failed: RuntimeError: no trace"
     ]
 
 
-def test_offload_config_rules_are_one_line(
-    bench: ModuleType, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_offload_config_rules_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     """A selection the offload config refuses (attn_proj without core_attn) stops before any
     run with the config's one line, not a traceback from inside the first model."""
     argv = ["--device", "cpu", "--models", "hybrid-tiny", "--offload", "qkv_linear,attn_proj"]
-    assert bench.main(argv) == 2
+    assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("bench: offload module 'attn_proj' requires 'core_attn'"), err
     assert "\n" not in err
 
 
-def test_hybrid_bench_offloads_what_its_config_allows(bench: ModuleType) -> None:
+def test_hybrid_bench_offloads_what_its_config_allows() -> None:
     """The bench-only hybrid model's default selection passes the config rules and opens
     groups on its pattern (its figures are GPU-only)."""
-    model = bench.bench_model("hybrid-bench")
+    model = bench_model("hybrid-bench")
     assert model.spec.pattern == "+-+-+-"
-    names = bench.selection(model, None)
+    names = selection(model, None)
     assert names == ("attn_norm", "qkv_linear")
-    bench.OffloadConfig(offload_modules=names).check_applies_to(model.spec)
+    OffloadConfig(offload_modules=names).check_applies_to(model.spec)
 
 
-def test_baseline_compute_without_phase_work_is_a_reason(
-    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_baseline_compute_without_phase_work_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     """A traced baseline whose forward or backward ranges hold no compute (ranges missing from
     the trace) gives a reason, not a zero that would call every model not hideable."""
     busy = {"bench.forward": 0.0, "bench.backward": 0.004}
@@ -503,13 +498,13 @@ def test_baseline_compute_without_phase_work_is_a_reason(
         assert set(phases) == set(busy)
         return SimpleNamespace(busy_s=0.009, phase_busy_s=dict(busy))
 
-    monkeypatch.setattr(bench, "trace_variant", fake_trace)
-    monkeypatch.setattr(bench.timeline, "analyse", fake_analyse)
+    monkeypatch.setattr(trace, "trace_variant", fake_trace)
+    monkeypatch.setattr(timeline, "analyse", fake_analyse)
     args = (object(), None, None, None, torch.device("cpu"), 1)
-    found = bench.baseline_compute(*args)
+    found = baseline_compute(*args)
     assert found == "no compute found inside the baseline trace's forward or backward ranges"
     busy["bench.forward"] = 0.003
-    assert bench.baseline_compute(*args) == {
+    assert baseline_compute(*args) == {
         "step_s": 0.009,
         "forward_s": 0.003,
         "backward_s": 0.004,

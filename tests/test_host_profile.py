@@ -36,7 +36,7 @@ def test_cpu_profile_of_the_reference(
     (calls,) = [v[0] for k, v in stats.stats.items() if k[2] == "_offload"]  # type: ignore[attr-defined]
     # The profile covers the steady steps only: as many offloads as the reference's own log
     # shows for steps 1-2 of the same run (the warmup step 0 offloads more groups).
-    bench = importlib.import_module("harness.tools.bench")
+    bench = importlib.import_module("harness.tools.bench.models")
     model = bench.bench_model("hybrid-tiny")
     config = OffloadConfig(
         offload_modules=bench.selection(model, None), min_offloaded_tensor_size=1024

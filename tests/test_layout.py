@@ -67,3 +67,19 @@ def test_case_table_imports_without_torch() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) > 0
+
+
+def test_every_package_is_listed_for_the_wheel() -> None:
+    """pyproject.toml lists the packages explicitly (cases/ installs as harness.suite): a new
+    subpackage must be added there or the wheel lacks it."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(
+        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(init.parent.relative_to(root).parts)
+        for init in (root / "harness").rglob("__init__.py")
+    }
+    assert found | {"harness.suite"} == listed

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from harness import settings
 from harness.offload.backends import resolve_backend
 from harness.offload.pool import no_deterministic_fill
 from harness.train import RunHooks, train
@@ -35,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="hybrid-small", help="a bench model or preset")
     p.add_argument("--backend", default="reference", help="backend spec (default reference)")
-    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
+    settings.add_arguments(p, ("device",))
     p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (default 2)")
     p.add_argument("--steps", type=int, default=5, help="profiled steps (default 5)")
     p.add_argument("--top", type=int, default=30, help="functions to print (default 30)")
@@ -54,12 +55,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from harness.tools import bench
+    from harness.tools.bench import cli as bench
 
     try:
         if args.warmup < 1 or args.steps < 1:
             raise ValueError("--warmup and --steps must be >= 1")
-        device = bench._device(args.device)
+        device = bench.select_device(args.device)
         # The bench's own model, selection, offload config and run for these steps.
         options = bench.parser().parse_args(
             ["--warmup", str(args.warmup), "--steps", str(args.steps)]
