@@ -167,6 +167,27 @@ def of(device: torch.device) -> Fingerprint:
     return _of(device.type, device.index if device.type == "cuda" else None)
 
 
+def cudnn_version() -> str:
+    """The cuDNN torch loads, as ``torch.backends.cudnn.version()`` spells it (``91900``), or
+    ``none``. When another package puts a different cuDNN first on the library path (e.g.
+    TransformerEngine's wheels), torch refuses to report it; the runtime version it found is
+    what runs, so that is the key, with torch's own build noted: ``91400 (torch built 91900)``."""
+    try:
+        if not torch.backends.cudnn.is_available():
+            return "none"
+        return str(torch.backends.cudnn.version())
+    except RuntimeError:
+        binding = getattr(torch._C, "_cudnn", None)
+        if binding is None:
+            return UNKNOWN
+
+        def number(version: tuple[int, int, int]) -> int:
+            return version[0] * 10_000 + version[1] * 100 + version[2]
+
+        runtime, built = binding.getRuntimeVersion(), binding.getCompileVersion()
+        return f"{number(runtime)} (torch built {number(built)})"
+
+
 @functools.cache
 def _of(kind: str, index: int | None) -> Fingerprint:
     cpu = _cpu_info()
@@ -180,13 +201,12 @@ def _of(kind: str, index: int | None) -> Fingerprint:
     if kind == "cuda":
         device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
         major, minor = torch.cuda.get_device_capability(device)
-        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
         keyed = (
             ("torch", torch.__version__),
             ("cuda", str(torch.version.cuda)),
             ("gpu", torch.cuda.get_device_name(device)),
             ("compute_capability", f"{major}.{minor}"),
-            ("cudnn", str(cudnn) if cudnn is not None else "none"),
+            ("cudnn", cudnn_version()),
             ("aten_cpu_capability", torch.backends.cpu.get_cpu_capability()),
         )
         return Fingerprint(device="cuda", keyed=keyed, info=common_info)
