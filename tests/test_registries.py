@@ -120,6 +120,7 @@ def test_no_module_names_an_implementation_but_the_registry() -> None:
             "--",
             "harness",
             "cases",
+            ":!harness/impls.py",
         ],
         capture_output=True,
         text=True,
