@@ -22,6 +22,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from harness import settings
@@ -40,7 +41,6 @@ from harness.offload.backends import (
     backend_unavailable,
     describe,
 )
-from harness.parallel import run_all
 from harness.report import (
     run_folder,
     summary_text,
@@ -49,6 +49,7 @@ from harness.report import (
     write_summary,
 )
 from harness.repro import ReproSpec, reproduce
+from harness.session import run_cases
 from harness.spec import PRECISIONS, PRESETS, SCHEDULES, parse_pattern, preset
 from harness.tools import TOOLS
 
@@ -70,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="offload-harness", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run cases and write a report")
-    settings.add_arguments(run, (*RUN_SETTINGS, "matrix", "family", "jobs", "update_golden"))
+    settings.add_arguments(
+        run, (*RUN_SETTINGS, "matrix", "family", "jobs", "case_timeout", "update_golden")
+    )
     run.add_argument("--case", help="run only this case id (see `offload-harness cases`)")
     _case_flags(run.add_argument_group("one custom case (instead of the matrix) or overrides"))
     repro = sub.add_parser("repro", help="reproduce one case: loss table, first divergence")
@@ -180,30 +183,6 @@ def _run_one(case: Case, env: Environment, update_golden: bool = False) -> dict[
     return judge(case, env, update_golden=update_golden).record()
 
 
-def _timed_case(case: Case, env: Environment, update_golden: bool) -> tuple[dict[str, Any], float]:
-    began = time.perf_counter()
-    return _run_one(case, env, update_golden), time.perf_counter() - began
-
-
-def _run_all(
-    cases: list[Case], env: Environment, jobs: int, update_golden: bool = False
-) -> list[dict[str, Any]]:
-    """Run every case (in ``jobs`` worker processes when jobs > 1, also on CUDA:
-    ``harness.parallel``), printing a line as each ends; records come back in table order."""
-    records: list[dict[str, Any]] = [{}] * len(cases)
-    calls = [(case, env, update_golden) for case in cases]
-    for done, (index, (record, seconds)) in enumerate(
-        run_all(_timed_case, calls, jobs=jobs, device=env.device), start=1
-    ):
-        record["duration"] = round(seconds, 3)
-        records[index] = record
-        print(
-            f"[{done}/{len(cases)}] {cases[index].name} {record['verdict']} ({seconds:.1f}s)",
-            flush=True,
-        )
-    return records
-
-
 def _environment(args: argparse.Namespace) -> Environment:
     """The run's settings (``harness.settings``, as pytest resolves them) as an environment.
     With ``--case``, megatron-core's rows default to megatron-core's offloader."""
@@ -249,25 +228,57 @@ def command_run(args: argparse.Namespace) -> int:
     jobs = settings.checked(
         lambda: settings.resolve_jobs(args.settings.jobs, env.device, len(cases)), UsageError
     )
-    start = time.perf_counter()
-    records = _run_all(cases, env, jobs, args.update_golden)
+    folder = _claim_folder(args.settings.report_dir)
     fields: dict[str, Any] = dict(
         backend=args.backend,
         device=str(env.device),
         matrix=args.matrix if not (args.case or args.pattern or args.offload) else None,
         model_size=env.model_size,
-        seconds=round(time.perf_counter() - start, 2),
     )
-    if args.settings.report_dir is not None:
-        folder = run_folder(args.settings.report_dir)
-        summary = json.loads(write_summary(folder, records, **fields).read_text())
+    records: list[dict[str, Any] | None] = [None] * len(cases)
+    start = time.perf_counter()
+
+    def finished() -> list[dict[str, Any]]:
+        return [r for r in records if r is not None]
+
+    def on_record(index: int, record: dict[str, Any], seconds: float) -> None:
+        record["duration"] = round(seconds, 3)
+        records[index] = record
+        done = len(finished())
+        print(f"[{done}/{len(cases)}] {cases[index].name} {record['verdict']} ({seconds:.1f}s)")
+        sys.stdout.flush()
+        if folder is not None:  # a valid summary.json after every case
+            seconds_so_far = round(time.perf_counter() - start, 2)
+            write_summary(folder, finished(), status="running", seconds=seconds_so_far, **fields)
+
+    try:
+        status = run_cases(
+            cases,
+            env,
+            jobs=jobs,
+            timeout=args.settings.case_timeout,
+            folder=folder,
+            on_record=on_record,
+            update_golden=args.update_golden,
+        )
+    except KeyboardInterrupt:
+        status = "interrupted"
+    fields.update(status=status, seconds=round(time.perf_counter() - start, 2))
+    if folder is not None:
+        summary = json.loads(write_summary(folder, finished(), **fields).read_text())
         write_junit(folder, summary)
-        began = time.perf_counter()
-        index = render_index(folder)
-        where = f"report: {index} (rendered in {time.perf_counter() - began:.1f}s)"
+        if status == "interrupted":  # leave at once: the summary is valid, plots can wait
+            where = f"report: {folder / 'summary.json'} (interrupted; no index.html)"
+        else:
+            began = time.perf_counter()
+            index = render_index(folder)
+            where = f"report: {index} (rendered in {time.perf_counter() - began:.1f}s)"
     else:  # '' writes none, as in pytest
-        summary = json.loads(summary_text(records, **fields))
+        summary = json.loads(summary_text(finished(), **fields))
         where = "no report (--report-dir '')"
+    if status == "interrupted":
+        print(f"\ninterrupted after {len(finished())} of {len(cases)} cases; {where}")
+        return 130
     print()
     print(verdict_table(summary))
     for case in summary["cases"]:
@@ -284,7 +295,22 @@ def command_run(args: argparse.Namespace) -> int:
     print(
         f"\n{len(cases) - failed}/{len(cases)} cases passed in {summary['seconds']:.1f}s; {where}"
     )
-    return 1 if failed else 0
+    return 1 if failed or status != "complete" else 0
+
+
+def _claim_folder(root: Path | None) -> Path | None:
+    """The run's report folder, created and write-tested before any training (None: no
+    report)."""
+    if root is None:
+        return None
+    try:
+        from harness.report import claim_run_folder
+    except ImportError:  # pragma: no cover - older report module
+        return run_folder(root)
+    try:
+        return claim_run_folder(root)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _repro_spec(args: argparse.Namespace) -> ReproSpec:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from typing import Any
@@ -24,7 +25,12 @@ def threads_per_worker(jobs: int) -> int:
 
 
 def use_share(jobs: int, device: torch.device | None = None) -> None:
-    """Make this process one of ``jobs`` workers (threads; the CUDA device as current one)."""
+    """Make this process one of ``jobs`` workers (threads; the CUDA device as current one).
+    A worker ignores SIGINT: Ctrl-C reaches the whole process group, and the parent, not each
+    worker, decides to stop (``kill_pool``) - a worker that took it would go on to its next
+    queued call."""
+    if multiprocessing.parent_process() is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads_per_worker(jobs))
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
@@ -38,6 +44,18 @@ def worker_pool(jobs: int, device: torch.device | None = None) -> ProcessPoolExe
         initializer=use_share,
         initargs=(jobs, device),
     )
+
+
+def kill_pool(pool: ProcessPoolExecutor) -> None:
+    """Stop a pool now: queued calls cancelled, every worker killed (SIGKILL), no waiting for
+    running calls."""
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in workers:
+        if process.is_alive():
+            process.kill()
+    for process in workers:
+        process.join(timeout=5)
 
 
 def run_all(
@@ -60,6 +78,9 @@ def run_all(
         try:
             for future in as_completed(futures):
                 yield futures[future], future.result()
+        except KeyboardInterrupt:
+            kill_pool(pool)
+            raise
         finally:
             for future in futures:
                 future.cancel()

@@ -369,11 +369,11 @@ def test_run_on_cuda_takes_jobs_without_initialising_cuda(
     _fake_cuda(monkeypatch)
     seen: dict[str, Any] = {}
 
-    def run_all(cases: list[Any], env: Any, jobs: int, update_golden: bool = False) -> None:
+    def run_cases(cases: list[Any], env: Any, *, jobs: int, **kwargs: Any) -> None:
         seen.update(cases=len(cases), device=env.device, jobs=jobs, size=env.model_size)
         raise _Stop
 
-    monkeypatch.setattr(harness.cli, "_run_all", run_all)
+    monkeypatch.setattr(harness.cli, "run_cases", run_cases)
     argv = ["run", "--device", "cuda", *(["--jobs", jobs] if jobs else [])]
     with pytest.raises(_Stop):
         main(argv)
@@ -419,15 +419,29 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
             future.set_result(fn(*args))
             return future
 
+    import harness.session
+
     monkeypatch.setattr(harness.parallel, "ProcessPoolExecutor", Pool)
-    monkeypatch.setattr(harness.parallel, "as_completed", lambda futures: list(futures))
+    monkeypatch.setattr(harness.session, "as_completed", lambda futures: list(futures))
     monkeypatch.setattr(
-        harness.cli, "_timed_case", lambda case, env, update: ({"verdict": case.name}, 0.5)
+        harness.session,
+        "run_case",
+        lambda case, env, update, timeout, dump: ({"verdict": case.name}, 0.5),
     )
+    Pool.shutdown = lambda self, **kwargs: None  # type: ignore[attr-defined]
     env = harness.cli.Environment(device=device, backend="reference", model_size="small")
     cases = default_matrix()[:5]
-    records = harness.cli._run_all(cases, env, 4)
-    assert [r["verdict"] for r in records] == [c.name for c in cases]
+    records: dict[int, Any] = {}
+    status = harness.session.run_cases(
+        cases,
+        env,
+        jobs=4,
+        timeout=0,
+        folder=None,
+        on_record=lambda index, record, seconds: records.__setitem__(index, record),
+    )
+    assert status == "complete"
+    assert [records[i]["verdict"] for i in range(5)] == [c.name for c in cases]
     (pool,) = pools
     assert pool["jobs"] == 4 and pool["mp_context"].get_start_method() == "spawn"
     assert pool["initializer"] is harness.parallel.use_share

@@ -1,0 +1,157 @@
+"""How ``offload-harness run`` runs its cases so that the run survives its own failures.
+
+* Every case runs in a spawned worker process (``harness.parallel``), ``jobs`` at a time, so a
+  case that hangs or crashes cannot take the run with it.
+* An exception inside a case is that case's failed verdict (``error: Type: message``); the
+  traceback goes to ``<report folder>/errors/<case>.txt``; the other cases still run.
+* ``--case-timeout`` (the setting pytest uses too) arms ``faulthandler`` in the worker: past it,
+  every thread's stack is written to ``<report folder>/stacks/<case>.txt`` (a temporary folder
+  without a report) and the worker exits; the case's verdict is ``timed out`` with that file,
+  and the cases the dead pool took with it run again in a new pool (once; a case whose worker
+  dies twice without a dump is an ``error: worker process died``).
+* Ctrl-C kills the workers at once (they ignore SIGINT; the parent stops them), cancels the
+  queued cases and leaves what finished.
+
+The caller gets every record through ``on_record`` as it ends, so it can rewrite
+``summary.json`` after each case; ``run_cases`` returns how the run ended: ``complete``,
+``timed-out`` (a case timed out) or raises ``KeyboardInterrupt`` (``interrupted``).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import tempfile
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any
+
+from harness.cases import Case
+from harness.execute import Environment
+from harness.judge import judge
+from harness.parallel import kill_pool, worker_pool
+
+_HEADER = "offload-harness case worker"
+_DUMP_MARK = "most recent call first"
+"""Text faulthandler writes in every thread's dump: the case's file holds a stack dump."""
+
+
+def slug(name: str) -> str:
+    """A case id as a file name."""
+    return re.sub(r"[^\w+.-]", "_", name)
+
+
+def error_record(case: Case, problem: str) -> dict[str, Any]:
+    """The report record of a case that ended without a judgement."""
+    return {"name": case.name, "verdict": "fail", "problems": [problem], "checks": {}}
+
+
+def run_case(
+    case: Case, env: Environment, update_golden: bool, timeout: float, dump: str | None
+) -> tuple[dict[str, Any], float]:
+    """One case in a worker: the judge's record (or an error record with the traceback under
+    ``"traceback"``) and its seconds. With a timeout, ``dump`` receives every thread's stack
+    if the case outlives it, and the worker exits."""
+    began = time.perf_counter()
+    stream = None
+    if timeout and dump is not None:
+        stream = open(dump, "w", encoding="utf-8")
+        stream.write(f"{_HEADER} pid {os.getpid()}: case {case.name}, timeout {timeout:g} s\n")
+        stream.flush()
+        faulthandler.dump_traceback_later(timeout, exit=True, file=stream)
+    try:
+        record = judge(case, env, update_golden=update_golden).record()
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        record = error_record(case, f"error: {type(exc).__name__}: {first}")
+        record["traceback"] = traceback.format_exc()
+    finally:
+        if stream is not None:
+            faulthandler.cancel_dump_traceback_later()
+            stream.close()
+            Path(stream.name).unlink(missing_ok=True)
+    return record, time.perf_counter() - began
+
+
+def run_cases(
+    cases: list[Case],
+    env: Environment,
+    *,
+    jobs: int,
+    timeout: float,
+    folder: Path | None,
+    on_record: Callable[[int, dict[str, Any], float], None],
+    update_golden: bool = False,
+) -> str:
+    """Run every case (see the module docstring); ``on_record(index, record, seconds)`` as each
+    ends. Returns ``complete`` or ``timed-out``; Ctrl-C propagates after the workers are gone."""
+    stacks = (folder / "stacks") if folder is not None else Path(tempfile.mkdtemp("-stacks"))
+    stacks.mkdir(parents=True, exist_ok=True)
+    dumps = {i: stacks / f"{slug(case.name)}.txt" for i, case in enumerate(cases)}
+    pending = list(range(len(cases)))
+    deaths: Counter[int] = Counter()
+    status = "complete"
+    began: dict[int, float] = {}
+
+    def finish(index: int, record: dict[str, Any], seconds: float) -> None:
+        text = record.pop("traceback", None)
+        if text and folder is not None:
+            errors = folder / "errors"
+            errors.mkdir(exist_ok=True)
+            path = errors / f"{slug(cases[index].name)}.txt"
+            path.write_text(text, encoding="utf-8")
+            record["problems"] = [f"{record['problems'][0]} (traceback: {path})"]
+        pending.remove(index)
+        on_record(index, record, seconds)
+
+    while pending:
+        pool = worker_pool(min(jobs, len(pending)), env.device)
+        futures: dict[Future[Any], int] = {}
+        for index in pending:
+            began.setdefault(index, time.perf_counter())
+            call = (cases[index], env, update_golden, timeout, str(dumps[index]))
+            futures[pool.submit(run_case, *call)] = index
+        broken = False
+        try:
+            for future in as_completed(futures):
+                index = futures[future]
+                try:
+                    record, seconds = future.result()
+                except BrokenProcessPool:
+                    broken = True
+                    break
+                except Exception as exc:  # e.g. a result that cannot be pickled back
+                    record = error_record(cases[index], f"error: {type(exc).__name__}: {exc}")
+                    seconds = time.perf_counter() - began[index]
+                finish(index, record, seconds)
+        except BaseException:
+            kill_pool(pool)
+            raise
+        if not broken:
+            pool.shutdown(wait=True)
+            continue
+        kill_pool(pool)
+        for index in list(pending):
+            path = dumps[index]
+            text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+            seconds = time.perf_counter() - began[index]
+            if _DUMP_MARK in text:
+                status = "timed-out"
+                problem = (
+                    f"timed out: the case ran past --case-timeout {timeout:g} s; every "
+                    f"thread's stack: {path}"
+                )
+                finish(index, error_record(cases[index], problem), seconds)
+            elif text:  # it was running when a worker died
+                deaths[index] += 1
+                path.unlink()
+                if deaths[index] > 1:
+                    problem = "error: worker process died twice while running the case"
+                    finish(index, error_record(cases[index], problem), seconds)
+    return status

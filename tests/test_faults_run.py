@@ -1,0 +1,158 @@
+"""Fault injection for ``offload-harness run`` (CPU): an exception in a case is its verdict and
+the other cases still run; a hang is a ``timed out`` verdict with every thread's stack, in
+bounded time; a worker that dies is retried once; Ctrl-C exits 130 within 3 s leaving a valid
+``summary.json`` marked ``interrupted``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import session
+from harness.cases import Case
+from harness.execute import Environment
+
+FAULTY = '''
+import os, time
+from harness.offload.reference import OffloadContext
+
+
+class Hang(OffloadContext):
+    """Sleeps in its second microbatch (the second step here)."""
+    calls = 0
+
+    def begin_microbatch(self, microbatch):
+        Hang.calls += 1
+        if Hang.calls > 1:
+            time.sleep(3600)
+        return super().begin_microbatch(microbatch)
+
+
+class Boom(OffloadContext):
+    def end_iteration(self):
+        raise RuntimeError("boom in end_iteration")
+
+
+class Die(OffloadContext):
+    """Kills its own process in the first step (a segfault or the OOM killer would)."""
+    def end_iteration(self):
+        os._exit(9)
+'''
+
+SMALL = ["--pattern", "+-", "--offload", "core_attn", "--steps", "2", "--microbatches", "1"]
+
+
+@pytest.fixture
+def faulty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "faulty.py").write_text(FAULTY)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    return tmp_path
+
+
+def _run(
+    folder: Path, *argv: str, timeout: float = 240
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    began = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", "run", "--device", "cpu", "--jobs", "1", *argv],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return done, time.perf_counter() - began
+
+
+def _summary(root: Path) -> dict[str, Any]:
+    (path,) = root.glob("*/summary.json")
+    return json.loads(path.read_text())
+
+
+def test_a_hang_is_a_timed_out_verdict_with_every_stack(faulty: Path) -> None:
+    done, seconds = _run(
+        faulty, *SMALL, "--backend", "faulty:Hang", "--case-timeout", "20", "--report-dir", "r"
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = _summary(faulty / "r")
+    assert summary["status"] == "timed-out"
+    (case,) = summary["cases"]
+    assert case["problems"][0].startswith("timed out: the case ran past --case-timeout 20 s")
+    (stacks,) = (faulty / "r").glob("*/stacks/*.txt")
+    text = stacks.read_text()
+    assert "most recent call first" in text and "faulty.py" in text and "begin_microbatch" in text
+    assert seconds < 20 + 60, seconds  # the timeout, the spawn and the baselines: bounded
+
+
+def test_an_error_is_the_cases_verdict_and_the_run_goes_on(faulty: Path) -> None:
+    done, _ = _run(faulty, *SMALL, "--backend", "faulty:Boom", "--report-dir", "r")
+    assert done.returncode == 1
+    summary = _summary(faulty / "r")
+    assert summary["status"] == "complete"
+    (case,) = summary["cases"]
+    assert any("RuntimeError: boom in end_iteration" in p for p in case["problems"])
+
+
+def test_a_dying_worker_is_retried_once_then_an_error(faulty: Path) -> None:
+    done, _ = _run(faulty, *SMALL, "--backend", "faulty:Die", "--report-dir", "r")
+    assert done.returncode == 1, done.stdout + done.stderr
+    (case,) = _summary(faulty / "r")["cases"]
+    assert case["problems"] == ["error: worker process died twice while running the case"]
+
+
+def test_an_exception_outside_the_checks_is_an_error_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def judge(*args: Any, **kwargs: Any) -> Any:
+        raise KeyError("no such run")
+
+    monkeypatch.setattr(session, "judge", judge)
+    case = Case(family="hybrid", offload=("core_attn",), steps=1)
+    env = Environment(device=__import__("torch").device("cpu"), backend="reference")
+    record, _ = session.run_case(case, env, False, 0, None)
+    assert record["verdict"] == "fail"
+    assert record["problems"] == ["error: KeyError: 'no such run'"]
+    assert "Traceback" in record["traceback"] and "no such run" in record["traceback"]
+
+
+def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "harness", "run", "--device", "cpu", "--report-dir", "r"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    time.sleep(8)  # workers spawned, cases running
+    children = subprocess.run(
+        ["pgrep", "-P", str(process.pid)], capture_output=True, text=True
+    ).stdout.split()
+    began = time.perf_counter()
+    process.send_signal(signal.SIGINT)
+    out, _ = process.communicate(timeout=60)
+    seconds = time.perf_counter() - began
+    assert process.returncode == 130, out
+    assert seconds < 3, seconds
+    assert "Traceback" not in out
+    summary = _summary(tmp_path / "r")
+    assert summary["status"] == "interrupted"
+    assert len(summary["cases"]) < 21
+    assert children, "no worker processes were running"
+    time.sleep(0.5)
+    alive = [pid for pid in children if _running(int(pid))]
+    assert not alive, f"workers outlived the interrupted run: {alive}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
