@@ -11,6 +11,7 @@ microbatch, as suspects).
 from __future__ import annotations
 
 import re
+import shlex
 from collections import Counter
 from collections.abc import Iterable
 
@@ -18,19 +19,24 @@ import torch
 
 from harness.cases import Case
 from harness.compare import first_divergence, loss_table
-from harness.execute import CaseRun, MemoryResult, total
+from harness.execute import CaseRun, Environment, MemoryResult, total
 from harness.predict import GroupKey, predict
+from harness.repro import case_command
 from harness.spec import ModelSpec
 from harness.train import schedule_order
 from harness.transfers import Counts
 
 
-def repro_hint(case: Case) -> str:
-    return f"reproduce: offload-harness repro --case '{case.name}' --bisect"
+def repro_hint(case: Case, env: Environment) -> str:
+    """``reproduce: <command>``: the fully explicit, shell-quoted ``offload-harness repro`` line
+    that reruns ``case`` as it ran in ``env`` (row id, overridden fields, seed, backend, device,
+    model size; ``harness.repro.case_command``, the builder of ``command.txt`` too)."""
+    return f"reproduce: {shlex.join(case_command(case, env, bisect=True))}"
 
 
-def equivalence_problems(case: Case, res: CaseRun) -> list[str]:
-    """Offload happened, then losses, gradients and final weights equal the plain baseline."""
+def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str]:
+    """Offload happened, then losses, gradients and final weights equal the plain baseline
+    (``env``: where it ran, for the reproduce hint)."""
     if res.proof_problems:
         return ["the offload did not happen in step 0 (the warmup step):", *res.proof_problems]
     problems = []
@@ -47,7 +53,7 @@ def equivalence_problems(case: Case, res: CaseRun) -> list[str]:
     if problems:
         problems.append(suspect_groups(case, res))
         problems.append(loss_table(res.plain.losses, res.offload.losses))
-        problems.append(repro_hint(case))
+        problems.append(repro_hint(case, env))
     return problems
 
 

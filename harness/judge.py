@@ -155,7 +155,9 @@ class _Raised:
 
 def _equivalence(runs: CaseRuns) -> CheckOutcome:
     res = runs.case_run()
-    return _from_problems("equivalence", equivalence_problems(runs.case, res), **case_record(res))
+    return _from_problems(
+        "equivalence", equivalence_problems(runs.case, res, runs.env), **case_record(res)
+    )
 
 
 def _leaks(runs: CaseRuns) -> CheckOutcome:

@@ -1,7 +1,12 @@
 """Reports: ``summary.json`` first (machine, commit, per-case results); everything printed is
 rendered from it.
 
-Folder names: ``reports/<UTC time>_<git sha>[_dirty]/``.
+Folder names: ``reports/<UTC time>_<harness sha>[_dirty]/``, each created atomically
+(``run_folder``: ``mkdir`` without ``exist_ok``, the next ``-2``, ``-3``... suffix on
+``FileExistsError``), so runs started together on one parent never share a folder.
+``claim_run_folder`` also proves the folder writable before any training (``ReportDirError``).
+The commit recorded is the harness's own (its package's checkout, else its installed version),
+not the current directory's.
 """
 
 from __future__ import annotations
@@ -9,13 +14,17 @@ from __future__ import annotations
 import datetime as dt
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
 import torch
+
+import harness
 
 
 def _version() -> str:
@@ -27,22 +36,69 @@ def _version() -> str:
 
 HARNESS_VERSION = _version()
 
+PACKAGE_DIR = Path(harness.__file__).resolve().parent
+"""The harness package's folder: its git checkout (if any) is the commit a report records."""
 
-def _git(*args: str) -> str | None:
+STATUSES = ("complete", "running", "interrupted", "timed-out")
+"""``summary.json``'s ``status``: the run ended by itself (``complete``, the default), it is
+still going and the file is rewritten as cases finish (``running``; also what a run killed
+from outside leaves), Ctrl-C or a signal stopped it (``interrupted``), a case outlived its
+timeout (``timed-out``)."""
+
+
+class ReportDirError(ValueError):
+    """A report folder that cannot be created or written; the message is one line,
+    ``--report-dir <path>: <reason>``."""
+
+
+def _git(*args: str, cwd: Path | None = None) -> str | None:
     try:
         out = subprocess.run(
-            ["git", *args], capture_output=True, text=True, check=True, timeout=10
+            ["git", *args], capture_output=True, text=True, check=True, timeout=10, cwd=cwd
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return out.strip()
 
 
-def commit_info() -> dict[str, Any]:
-    """Current commit sha and whether the work tree has uncommitted changes."""
-    sha = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no")
+def _checkout_commit(where: Path | None) -> dict[str, Any]:
+    """Sha and dirty flag of the git checkout holding ``where`` (None: the current
+    directory); ``sha`` None when it is in none."""
+    sha = _git("rev-parse", "HEAD", cwd=where)
+    if not sha:
+        return {"sha": None, "dirty": None}
+    status = _git("status", "--porcelain", "--untracked-files=no", cwd=where)
     return {"sha": sha, "dirty": bool(status) if status is not None else None}
+
+
+def _harness_checkout() -> Path | None:
+    """The harness package's folder when a git checkout tracks it (an editable install or a
+    run from the source tree); None for an installed copy (even one inside another
+    repository's work tree, e.g. a virtual environment in a project)."""
+    tracked = _git("ls-files", "--error-unmatch", "__init__.py", cwd=PACKAGE_DIR)
+    return PACKAGE_DIR if tracked else None
+
+
+def commit_info() -> dict[str, Any]:
+    """The harness's own commit: ``sha`` and ``dirty`` (uncommitted changes to tracked files)
+    of the checkout its package lives in, ``source`` ``git``; for an installed copy ``sha``
+    and ``dirty`` are None and ``source`` is ``package``. ``version`` is the installed
+    package version either way."""
+    checkout = _harness_checkout()
+    found = _checkout_commit(checkout) if checkout is not None else {"sha": None, "dirty": None}
+    source = "git" if found["sha"] else "package"
+    return {**found, "source": source, "version": HARNESS_VERSION}
+
+
+def cwd_commit_info(harness_commit: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The current directory's checkout (``path``, ``sha``, ``dirty``) when it is a git
+    checkout at another commit than the harness's (e.g. a project that runs the harness from
+    its own tree); None when it is in no checkout or at the harness's commit."""
+    harness_commit = harness_commit if harness_commit is not None else commit_info()
+    found = _checkout_commit(None)
+    if not found["sha"] or found["sha"] == harness_commit.get("sha"):
+        return None
+    return {"path": str(Path.cwd()), **found}
 
 
 def machine_info() -> dict[str, Any]:
@@ -67,50 +123,141 @@ def machine_info() -> dict[str, Any]:
 
 
 def folder_name() -> str:
-    """``<UTC time>_<sha>[_dirty]`` for a new report folder."""
+    """``<UTC time>_<harness sha>[_dirty]`` for a new report folder (``v<version>`` instead of
+    the sha for an installed copy, ``nogit`` when neither is known)."""
     commit = commit_info()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"{stamp}_{(commit['sha'] or 'nogit')[:10]}{'_dirty' if commit['dirty'] else ''}"
+    if commit["sha"]:
+        ident = commit["sha"][:10]
+    else:
+        ident = f"v{commit['version']}" if commit["version"] != "unknown" else "nogit"
+    return f"{stamp}_{ident}{'_dirty' if commit['dirty'] else ''}"
 
 
 def free_folder(root: Path, name: str) -> Path:
-    """``root/name``, or ``name-2``, ``name-3``... when taken (two runs in one second); not
-    created."""
+    """``root/name``, or ``name-2``, ``name-3``... when taken; not created, so only a guess:
+    another run may take it first. Create folders with ``run_folder``."""
     for attempt in range(1, 1000):
-        folder = root / (name if attempt == 1 else f"{name}-{attempt}")
+        folder = root / _suffixed(name, attempt)
         if not folder.exists():
             return folder
     raise FileExistsError(f"no free report folder name under {root} for {name}")
 
 
+def _suffixed(name: str, attempt: int) -> str:
+    return name if attempt == 1 else f"{name}-{attempt}"
+
+
 def run_folder(root: Path, name: str | None = None) -> Path:
-    """Create a new report folder ``root/name`` (default ``folder_name()``, made unique)."""
-    while True:
-        folder = free_folder(root, name or folder_name())
+    """Create a new report folder ``root/name`` (default ``folder_name()``), or ``name-2``,
+    ``name-3``... when taken: each ``mkdir`` is atomic (no ``exist_ok``), so of several runs
+    claiming one name at once each gets its own folder. Raises the ``OSError`` of a parent
+    that cannot hold it (``claim_run_folder`` turns that into a one-line ``ReportDirError``)."""
+    base = name or folder_name()
+    root.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, 1000):
+        folder = root / _suffixed(base, attempt)
         try:
-            folder.mkdir(parents=True)
-        except FileExistsError:  # taken between the check and the mkdir
+            folder.mkdir()
+        except FileExistsError:  # another run's (or a file): the next suffix
             continue
         return folder
+    raise FileExistsError(f"no free report folder name under {root} for {base}")
 
 
-def summary_text(cases: list[dict[str, Any]], **extra: Any) -> str:
-    """The JSON text of a session summary: version, time, machine, commit, ``extra``, cases."""
+_PROBE = ".write-test"
+
+
+def claim_run_folder(root: Path, name: str | None = None, *, exact: bool = False) -> Path:
+    """Create this run's report folder under ``root`` (``run_folder``; with ``exact``, exactly
+    ``root/name``, which must not exist yet) and prove it writable with a probe file, before
+    any training. Raises ``ReportDirError`` with one line, ``--report-dir <root>: <reason>``
+    (a file, a read-only or unwritable folder, ``/proc``...; with ``exact``, ``--report-name
+    <name>: ... already exists``)."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ReportDirError(f"--report-dir {root}: not a folder (a file is in the way)")
+    try:
+        if exact:
+            if not name:
+                raise ValueError("an exact report folder needs a name")
+            folder = root / name
+            root.mkdir(parents=True, exist_ok=True)
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                raise ReportDirError(
+                    f"--report-name {name}: {folder} already exists (pick a new name)"
+                ) from None
+        else:
+            folder = run_folder(root, name)
+    except OSError as exc:
+        raise ReportDirError(
+            f"--report-dir {root}: cannot create a folder there: {_why(exc)}"
+        ) from None
+    probe = folder / _PROBE
+    try:
+        with probe.open("x", encoding="utf-8") as file:
+            file.write("offload-harness write test\n")
+        probe.unlink()
+    except OSError as exc:
+        for leftover in (probe.unlink, folder.rmdir):  # leave nothing behind
+            try:
+                leftover()
+            except OSError:
+                pass
+        reason = f"cannot write into {folder}: {_why(exc)}"
+        raise ReportDirError(f"--report-dir {root}: {reason}") from None
+    return folder
+
+
+def _why(exc: OSError) -> str:
+    """An OSError as one line: its message and the path it names."""
+    text = exc.strerror or str(exc)
+    where = f" ({exc.filename})" if exc.filename else ""
+    return " ".join(f"{text}{where}".split())
+
+
+def summary_text(cases: list[dict[str, Any]], *, status: str = "complete", **extra: Any) -> str:
+    """The JSON text of a session summary: version, time, ``status`` (one of ``STATUSES``),
+    machine, commit (the harness's), ``cwd_commit`` (only when the current directory is
+    another checkout or commit), ``extra``, cases."""
+    if status not in STATUSES:
+        raise ValueError(f"summary status must be one of {', '.join(STATUSES)}; got {status!r}")
+    commit = commit_info()
+    cwd_commit = cwd_commit_info(commit)
     summary = {
         "harness_version": HARNESS_VERSION,
         "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "status": status,
         "machine": machine_info(),
-        "commit": commit_info(),
+        "commit": commit,
+        **({"cwd_commit": cwd_commit} if cwd_commit is not None else {}),
         **extra,
         "cases": cases,
     }
     return json.dumps(summary, indent=2, sort_keys=False, default=str) + "\n"
 
 
-def write_summary(folder: Path, cases: list[dict[str, Any]], **extra: Any) -> Path:
-    """Write ``summary.json`` into ``folder``; returns its path."""
+def write_summary(
+    folder: Path, cases: list[dict[str, Any]], *, status: str = "complete", **extra: Any
+) -> Path:
+    """Write ``summary.json`` into ``folder`` atomically (a temporary file in the same folder,
+    then ``os.replace``): a caller may rewrite it after every case (``status="running"``) and
+    a reader sees the old file or the new one, never half of one. Returns its path."""
     path = folder / "summary.json"
-    path.write_text(summary_text(cases, **extra))
+    text = summary_text(cases, status=status, **extra)
+    fd, temporary = tempfile.mkstemp(prefix=".summary.", suffix=".json.tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temporary, 0o644)  # mkstemp's 0600 would hide the report from other users
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
     return path
 
 
