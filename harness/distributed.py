@@ -48,6 +48,25 @@ def barrier() -> None:
         dist.barrier()
 
 
+def mark_arrived(tag: str) -> None:
+    """Note in the process group's store that this rank reached ``tag`` (e.g. the barrier
+    after a test), so a rank that waits there can later name the ones that never came."""
+    if world_size() > 1:
+        dist.distributed_c10d._get_default_store().set(f"arrived/{tag}/{rank()}", "1")
+
+
+def missing_ranks(tag: str) -> list[int]:
+    """The ranks that have not marked ``tag`` (``mark_arrived``); [] without a group or when
+    the store cannot be read (it lives on rank 0's agent: a dead job takes it along)."""
+    if world_size() == 1:
+        return []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return [r for r in range(world_size()) if not store.check([f"arrived/{tag}/{r}"])]
+    except Exception:
+        return []
+
+
 def broadcast_object(obj: T, src: int = 0) -> T:
     """``src``'s ``obj`` on every rank (picklable objects; identity without a group)."""
     if world_size() == 1:

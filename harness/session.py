@@ -19,6 +19,7 @@ The caller gets every record through ``on_record`` as it ends, so it can rewrite
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import re
@@ -154,4 +155,6 @@ def run_cases(
                 if deaths[index] > 1:
                     problem = "error: worker process died twice while running the case"
                     finish(index, error_record(cases[index], problem), seconds)
+    with contextlib.suppress(OSError):
+        stacks.rmdir()  # only when no case left a dump
     return status

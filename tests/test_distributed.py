@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -169,8 +171,13 @@ def test_timeout_dumps_stacks_and_fails_instead_of_hanging(pytester: pytest.Pyte
     pytester.makepyfile(test_sleeper=SLEEPER)
     done = _pytest(pytester.path, "--case-timeout", "3", "--report-dir", "", "-p", "no:xdist")
     assert done.returncode != 0
-    assert "Timeout (0:00:03)!" in done.stderr, done.stderr
-    assert "test_sleeps_past_the_timeout" in done.stderr, "the dump shows the test's frame"
+    label = "rank 0 pid "
+    assert (
+        label in done.stderr
+        and "timed out in test_sleeper.py::test_sleeps_past_the_timeout after 3 s" in done.stderr
+    ), done.stderr
+    assert "most recent call first" in done.stderr, "every thread's stack follows the label"
+    assert "in test_sleeps_past_the_timeout" in done.stderr, "the dump shows the test's frame"
 
 
 def test_xdist_with_torchrun_world_is_refused(pytester: pytest.Pytester) -> None:
@@ -228,3 +235,55 @@ def test_torchrun_two_ranks_collective_verdict(pytester: pytest.Pytester) -> Non
         text = log.read_text()
         assert "rank 1: loss differs at step 3" in text, f"{log.name} lacks the verdict"
         assert "1 failed, 1 passed" in text
+
+
+HANG_ON_RANK_ONE = """
+import time
+
+from harness import distributed
+
+
+def test_passes_first():
+    assert True
+
+
+def test_rank_one_hangs():
+    if distributed.rank() == 1:
+        time.sleep(600)
+"""
+
+
+def test_torchrun_hang_on_one_rank_is_bounded_labelled_and_reported(
+    pytester: pytest.Pytester,
+) -> None:
+    """Rank 1 hangs, rank 0 waits at the barrier after the test: both dump labelled stacks at
+    --case-timeout, rank 0 names the rank that never arrived and writes a partial summary.json
+    (status timed-out, the test, the missing rank), and the rank logs hold what ran."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_hang=HANG_ON_RANK_ONE)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node=2", "-m", "pytest", "-p", "no:cacheprovider", "-rA"]
+    command += ["--device", "cpu", "--report-dir", "reports", "--case-timeout", "15"]
+    began = time.perf_counter()
+    done = subprocess.run(
+        command, cwd=pytester.path, env=_clean_env(), capture_output=True, text=True, timeout=300
+    )
+    seconds = time.perf_counter() - began
+    assert done.returncode != 0
+    assert seconds < 15 + 60, seconds
+    out = done.stdout + done.stderr
+    test = "test_hang.py::test_rank_one_hangs"
+    assert f"timed out in {test} after 15 s" in out, out
+    assert re.search(
+        rf"rank 0 pid \d+ timed out in {re.escape(test)} .*"
+        r"never reached the barrier after it: \[1\]",
+        out,
+    ), out
+    assert re.search(rf"rank 1 pid \d+ timed out in {re.escape(test)}", out), out
+    (summary_path,) = pytester.path.glob("reports/*/summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "timed-out", summary
+    assert summary["timed_out"] == {"test": test, "rank": 0, "missing": [1]}
+    logs = {p.name: p.read_text() for p in pytester.path.glob("reports/*/rank*.log")}
+    assert set(logs) == {"rank0.log", "rank1.log"}, logs
+    assert all("timed out in" in text for text in logs.values()), logs
