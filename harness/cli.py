@@ -42,7 +42,7 @@ from harness.offload.backends import (
     describe,
 )
 from harness.report import (
-    run_folder,
+    claim_run_folder,
     summary_text,
     verdict_table,
     write_junit,
@@ -303,10 +303,6 @@ def _claim_folder(root: Path | None) -> Path | None:
     report)."""
     if root is None:
         return None
-    try:
-        from harness.report import claim_run_folder
-    except ImportError:  # pragma: no cover - older report module
-        return run_folder(root)
     try:
         return claim_run_folder(root)
     except ValueError as exc:
