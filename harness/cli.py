@@ -50,7 +50,7 @@ from harness.report import (
 )
 from harness.repro import ReproSpec, reproduce
 from harness.session import run_cases
-from harness.spec import PRECISIONS, PRESETS, SCHEDULES, parse_pattern, preset
+from harness.spec import PRECISIONS, PRESETS, SCHEDULES, check_fits, parse_pattern, preset
 from harness.tools import TOOLS
 
 
@@ -215,8 +215,8 @@ def command_run(args: argparse.Namespace) -> int:
     env = _environment(args)
     try:
         cases = _select(args)
-        for case in cases:
-            env.spec(case)  # every selected case applies to its model, before any run
+        for case in cases:  # every selected case applies to its model and fits, before any run
+            check_fits(env.spec(case), case.run_spec())
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     reason = _unavailable(cases, env)
@@ -328,6 +328,7 @@ def _repro_spec(args: argparse.Namespace) -> ReproSpec:
             model = env.spec(case)
             args.preset = _preset_name(case.family, env.model_size)
         run = case.run_spec() if args.seed is None else case.run_spec(seed=args.seed)
+        check_fits(model, run)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     reason = _unavailable([case], env)

@@ -116,8 +116,7 @@ def repro_command(
     else:
         assert preset is not None and pattern is not None, "a custom case names its preset"
         argv += ["--preset", preset, "--pattern", pattern, "--offload", ",".join(case.offload)]
-        if case.impl != "harness":  # a custom case on another implementation's models
-            argv += ["--family", IMPLS[case.impl].family]
+        argv += ["--family", IMPLS[case.impl].family]  # whose models a custom case builds
     inflight = case.max_inflight
     argv += ["--steps", str(case.steps), "--microbatches", str(case.microbatches)]
     argv += ["--schedule", case.schedule, "--precision", case.precision]

@@ -239,7 +239,11 @@ def resolve_backend(
     text: str | None, device: torch.device, *, family: str = "harness", race_delays: str = ""
 ) -> str:
     """The backend spelling to run: the name given (else the family's default), resolved once
-    up front, with ``race_delays`` folded in (CUDA only)."""
+    up front, with ``race_delays`` folded in (CUDA only), then probed on ``device``
+    (``backends.probe_backend``: the factory is called once and must return an ``Offloader``;
+    not for a backend unavailable on ``device``, whose reason the run reports). It does not
+    initialise CUDA in this process either: on CUDA it runs in a spawned child unless this
+    process has initialised CUDA already."""
     from harness.impls import default_backend
     from harness.offload import backends
 
@@ -255,7 +259,7 @@ def resolve_backend(
             f"this run is on {device.type}"
         )
     if not race_delays:
-        return backend
+        return _probed(backend, device)
     if backends.DELAYS in backend:
         raise SettingError(f"--race-delays and --backend {backend}: give the delays once")
     try:
@@ -263,7 +267,18 @@ def resolve_backend(
         backends.resolve_backend(spelled)
     except ValueError as exc:
         raise SettingError(f"--race-delays: {exc}") from None
-    return spelled
+    return _probed(spelled, device)
+
+
+def _probed(backend: str, device: torch.device) -> str:
+    """``backend`` once ``backends.probe_backend`` accepted it on ``device``."""
+    from harness.offload import backends
+
+    try:
+        backends.probe_backend(backend, device)
+    except ValueError as exc:
+        raise SettingError(f"--backend: {exc}") from None
+    return backend
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,7 @@ group names live in one table each, ``harness.groups``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -97,11 +98,15 @@ def parse_pattern(pattern: str) -> tuple[str, ...]:
     return tuple(pattern)
 
 
-def _check_positive(obj: object, *names: str) -> None:
+def _check_positive(obj: object, *names: str, maximum: int | None = None) -> None:
     for name in names:
         value = getattr(obj, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{type(obj).__name__}.{name} must be a positive int, got {value!r}")
+        if maximum is not None and value > maximum:
+            raise ValueError(
+                f"{type(obj).__name__}.{name} must be an int from 1 to {maximum:_}, got {value!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -223,6 +228,19 @@ SHARDINGS: tuple[str, ...] = ("none", "zero3")
 """How the runner shards the model: ``none`` or flat ZeRO-3 through FSDP2 (``harness.train``)."""
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd")
 
+MAX_STEPS = 1_000_000
+"""Most optimizer steps a ``RunSpec`` takes. The data generator seeds each (step, microbatch)
+with ``seed * 1_000_003 + step * 1_009 + microbatch + 1`` and a data shard adds multiples of
+``DATA_SHARD_STRIDE`` (7_919 * 1_000_003, ``harness.models.hybrid``): up to here the step term
+(about 1e9) stays well below that stride, so ranks never share a generator, and every size and
+seed built from the counts fits an int64. A harness run of a million steps is days of training
+anyway; ``check_fits`` refuses what the machine cannot hold."""
+MAX_MICROBATCHES = 1_000
+"""Most microbatches per step a ``RunSpec`` takes: below the data generator's step stride of
+1_009 (see ``MAX_STEPS``), so every (step, microbatch) draws its own tokens as
+``make_batches`` promises (from 1_009 on, microbatch 1_009 of step 0 would repeat microbatch 0
+of step 1). A thousand microbatches is far beyond any gradient accumulation the cases need."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunSpec:
@@ -252,7 +270,8 @@ class RunSpec:
     first)."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "steps", "microbatches")
+        _check_positive(self, "steps", maximum=MAX_STEPS)
+        _check_positive(self, "microbatches", maximum=MAX_MICROBATCHES)
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"RunSpec.schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}"
@@ -275,6 +294,84 @@ class RunSpec:
     def replace(self, **changes: object) -> RunSpec:
         """A copy with fields changed (validated again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+TOKEN_BYTES = 8
+"""Bytes per token of the batches (int64, ``harness.models.hybrid.make_batches``)."""
+LOSS_BYTES = 4
+"""Bytes per loss of the runner's per-(step, microbatch) loss tensor (fp32)."""
+
+
+def run_bytes(model: ModelSpec, run: RunSpec) -> int:
+    """Bytes one training run allocates up front for its data, whatever the model: the token
+    batches ``make_batches`` builds (steps x microbatches x micro_batch_size x (seq_length + 1)
+    int64) plus the runner's loss tensor (steps x microbatches fp32). Python ints: no overflow."""
+    sequences = run.steps * run.microbatches * model.micro_batch_size
+    tokens = sequences * (model.seq_length + 1) * TOKEN_BYTES
+    return tokens + run.steps * run.microbatches * LOSS_BYTES
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: ``MemAvailable`` of ``/proc/meminfo`` (else the
+    available physical pages of ``os.sysconf``), capped by a cgroup v2 memory limit where one
+    is set; None when unknown."""
+    available: int | None = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024  # kB
+                    break
+    except (OSError, ValueError, IndexError):
+        available = None
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):
+            return None
+        if available <= 0:
+            return None
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as limit_file:
+            limit = limit_file.read().strip()
+        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as current_file:
+            current = int(current_file.read().strip())
+        if limit != "max":
+            available = min(available, max(0, int(limit) - current))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_fits(model: ModelSpec, run: RunSpec, available_bytes: int | None = None) -> None:
+    """Refuse a run whose up-front data (``run_bytes``: token batches and losses) exceeds the
+    memory available, with a one-line ``ValueError`` saying how much it needs and how much the
+    machine has; do nothing when that is unknown.
+
+    ``available_bytes`` defaults to ``available_memory()`` (host memory: the batches are built
+    on the host on every device; on CUDA a caller may also check the device's free memory,
+    ``torch.cuda.mem_get_info()[0]``, since the runner copies them there). The estimate leaves
+    out the model, its optimizer and its activations, so passing it does not promise the run
+    fits; failing it promises the run does not. Pure arithmetic: no torch, nothing allocated."""
+    need = run_bytes(model, run)
+    have = available_memory() if available_bytes is None else available_bytes
+    if have is None or need <= have:
+        return
+    raise ValueError(
+        f"--steps {run.steps} x --microbatches {run.microbatches} needs {_size(need)} of token "
+        f"batches ({run.steps * run.microbatches * model.micro_batch_size} sequences of "
+        f"{model.seq_length + 1} int64 tokens, and the losses); this machine has {_size(have)} "
+        "available"
+    )
+
+
+def _size(nbytes: int) -> str:
+    """Decimal units, as memory is sold: ``1056 GB``, ``3.4 GB``, ``120 MB``."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def _hybrid_tiny() -> ModelSpec:

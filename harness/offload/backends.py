@@ -3,8 +3,11 @@
 
 A factory is any callable ``(config: OffloadConfig, device: torch.device) -> Offloader``
 (``harness.offload.protocol``). Resolution happens once, up front, so a bad name is a one-line
-``ValueError`` before any model is built. What the harness knows about a backend beyond that
-comes from the ``Capabilities`` record its factory declares (``capabilities(spec)``).
+``ValueError`` before any model is built; a module that raises at import (any exception, a
+``SyntaxError`` too) is one as well. ``probe_backend`` then calls the factory once and checks
+that it returns an ``Offloader`` (the entry points do so through ``harness.settings``). What the
+harness knows about a backend beyond that comes from the ``Capabilities`` record its factory
+declares (``capabilities(spec)``).
 
 Race provocation (CUDA only): ``<backend>+delays`` runs the reference offloader or a broken one
 with ``DEFAULT_RACE_DELAYS``; ``<backend>+delays:d2h=N,h2d=N,compute=N`` chooses the sleep
@@ -13,8 +16,13 @@ cycles (``harness.offload.reference.RaceDelays``; about 2000 cycles per microsec
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 
 import torch
@@ -28,6 +36,17 @@ from harness.offload.reference import OffloadContext, RaceDelays
 from harness.predict import Semantics
 
 Factory = Callable[[OffloadConfig, torch.device], Offloader]
+
+PROBE_CONFIG = OffloadConfig(offload_modules=("core_attn",))
+"""What ``probe_backend`` builds a backend with: one group name every model with attention
+opens, the default policies."""
+
+OFFLOADER_MEMBERS: tuple[str, ...] = (
+    *Offloader.__annotations__,
+    *(name for name, value in vars(Offloader).items() if callable(value) and name[0] != "_"),
+)
+"""What an ``Offloader`` must have (``harness.offload.protocol``): ``name``, then its methods in
+declaration order."""
 
 BUILTIN: dict[str, Factory] = {
     "reference": OffloadContext,
@@ -141,6 +160,134 @@ def backend_unavailable(spec: str, device: torch.device) -> str | None:
     return None if check is None else check(device)
 
 
+def probe_backend(spec: str, device: torch.device) -> None:
+    """Build the backend once with ``PROBE_CONFIG`` on ``device``, check that the factory returned
+    an ``Offloader`` and close it again, so a factory that raises or returns something else is a
+    one-line ``ValueError`` before any training (instead of a secondary error after the
+    baselines have trained).
+
+    No model is built and nothing is run through the offloader: the factory is called once and
+    its ``close()`` once. A backend whose record says it is ``unavailable`` on ``device`` is not
+    called (megatron-core's needs CUDA and megatron-core; the run reports that reason itself).
+
+    On CPU, and on CUDA in a process that has initialised CUDA already, the factory is called
+    here (the built-ins cost microseconds on CPU; on CUDA the reference takes its two copy
+    streams from PyTorch's stream pool). A process that has not initialised CUDA must stay
+    without it (the CLI's parent only names the device; its cases run in spawned workers), so
+    on CUDA there the probe runs in one child Python process with this one's ``sys.path`` (a
+    few seconds: it imports torch and makes a CUDA context of its own). A child that sees no
+    CUDA device, dies or outlasts ``PROBE_TIMEOUT_S`` proves nothing, and the run goes ahead."""
+    resolve_backend(spec)
+    if backend_unavailable(spec, device) is not None:
+        return
+    if device.type == "cuda" and not torch.cuda.is_initialized():
+        problem = _probe_in_child(spec, device)
+        if problem is not None:
+            raise ValueError(problem)
+        return
+    _call_factory(spec, device)
+
+
+PROBE_TIMEOUT_S = 300.0
+"""How long the child probe on CUDA may take (importing megatron-core and TransformerEngine for
+``mcore`` is the slowest known) before it counts as inconclusive."""
+
+_ANSWER = "offload-harness-probe:"
+"""Prefix of the child probe's answer line on its stdout (a backend module may print too)."""
+
+
+def _probe_in_child(spec: str, device: torch.device) -> str | None:
+    """``probe_backend``'s error line from a fresh Python process with this one's ``sys.path``
+    (None: no error, or nothing known). Its output is captured, never shown."""
+    code = (
+        "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+        "from harness.offload.backends import _child_probe; _child_probe(*sys.argv[2:])"
+    )
+    argv = [sys.executable, "-c", code, json.dumps(sys.path), spec, str(device)]
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.SubprocessError):  # no interpreter to start, or too slow
+        return None
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(_ANSWER):
+            try:
+                answer = json.loads(line[len(_ANSWER) :])
+            except ValueError:
+                return None
+            return answer if isinstance(answer, str) else None
+    return None  # it died before answering
+
+
+def _child_probe(spec: str, device: str) -> None:
+    """In the child: probe on ``device`` and print the answer line (the error line, or null)."""
+    answer: str | None = None
+    if torch.cuda.is_available():  # else this child cannot tell anything about the device
+        try:
+            resolve_backend(spec)
+            _call_factory(spec, torch.device(device))
+        except ValueError as exc:
+            answer = str(exc)
+    print(_ANSWER + json.dumps(answer), flush=True)
+
+
+def _call_factory(spec: str, device: torch.device) -> None:
+    """The probe itself, in this process."""
+    factory = resolve_backend(spec)
+    try:
+        offloader = factory(PROBE_CONFIG, device)
+    except Exception as exc:
+        raise ValueError(f"backend {spec!r}: the factory raised {exception_line(exc)}") from None
+    if offloader is None:
+        raise ValueError(f"backend {spec!r}: the factory returned None, not an Offloader")
+    missing = [member for member in OFFLOADER_MEMBERS if _lacks(offloader, member)]
+    if missing or not isinstance(offloader, Offloader):
+        kind = type(offloader)
+        shown = kind.__qualname__
+        if kind.__module__ != "builtins":
+            shown = f"{kind.__module__}.{shown}"
+        close = getattr(offloader, "close", None)
+        if callable(close):  # release whatever it holds; its own error is beside the point
+            with contextlib.suppress(Exception):
+                close()
+        lacking = f" without {', '.join(missing)}" if missing else ""
+        raise ValueError(
+            f"backend {spec!r}: the factory returned {shown}{lacking}, not an Offloader "
+            "(harness.offload.protocol)"
+        )
+    try:
+        offloader.close()
+    except Exception as exc:
+        raise ValueError(
+            f"backend {spec!r}: close() of a fresh offloader raised {exception_line(exc)}"
+        ) from None
+
+
+def _lacks(offloader: object, member: str) -> bool:
+    """Whether ``offloader`` has no ``member`` (for a method: nothing callable by that name)."""
+    try:
+        value = getattr(offloader, member)
+    except Exception:  # AttributeError, or a property that raises
+        return True
+    return member != "name" and not callable(value)
+
+
+def exception_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (``Type`` alone without one); a ``SyntaxError``
+    names its file and line."""
+    text = _first_line(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    text = lines[0].strip() if lines else ""
+    if isinstance(exc, SyntaxError) and exc.filename and f"line {exc.lineno}" not in text:
+        text = f"{exc.msg} ({os.path.basename(exc.filename)}, line {exc.lineno})"
+    return text
+
+
 def _declared(factory: Factory, shown: str) -> Capabilities:
     record = getattr(factory, "capabilities", UNDECLARED)
     if not isinstance(record, Capabilities):
@@ -163,8 +310,19 @@ def _import_factory(path: str, *, shown: str) -> Factory:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"backend {shown!r}: cannot import {module_name!r} ({exc})") from None
-    factory = getattr(module, attr, None)
+        raise ValueError(
+            f"backend {shown!r}: cannot import {module_name!r} ({_first_line(exc)})"
+        ) from None
+    except Exception as exc:  # the module's own code failed: any exception, one line
+        raise ValueError(
+            f"backend {shown!r}: importing {module_name} raised {exception_line(exc)}"
+        ) from None
+    try:
+        factory = getattr(module, attr, None)
+    except Exception as exc:  # a module __getattr__ that raises
+        raise ValueError(
+            f"backend {shown!r}: looking up {attr!r} in {module_name} raised {exception_line(exc)}"
+        ) from None
     if not callable(factory):
         raise ValueError(f"backend {shown!r}: {module_name} has no callable {attr!r}")
     _declared(factory, shown)  # a malformed record is a resolution error too
