@@ -13,7 +13,6 @@ folder, which goes on ``sys.path`` (in process) or ``PYTHONPATH`` (the nested py
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,10 +186,9 @@ def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 def _nested_pytest(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str) -> Any:
     _write_modules(pytester.path)
-    path = os.pathsep.join(filter(None, [str(pytester.path), os.environ.get("PYTHONPATH")]))
-    monkeypatch.setenv("PYTHONPATH", path)
+    pytester.syspathinsert()  # in-process: sys.path and sys.modules are restored afterwards
     pytester.makepyfile("def test_nothing():\n    pass\n")
-    return pytester.runpytest_subprocess("-p", "harness.plugin", "--device", "cpu", *args)
+    return pytester.runpytest("-p", "harness.plugin", "--device", "cpu", *args)
 
 
 def _assert_usage_error(result: Any, message: str) -> None:

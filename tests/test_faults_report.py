@@ -166,7 +166,7 @@ def test_pytest_report_dir_on_a_file_is_a_usage_error(pytester: pytest.Pytester)
     pytester.makepyfile(test_inner="def test_ok():\n    pass\n")
     file = pytester.path / "taken"
     file.write_text("")
-    result = pytester.runpytest_subprocess(*PLUGINS, "--device", "cpu", "--report-dir", str(file))
+    result = pytester.runpytest(*PLUGINS, "--device", "cpu", "--report-dir", str(file))
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     lines = [*result.outlines, *result.errlines]
     errors = [line for line in lines if line.startswith("ERROR:")]

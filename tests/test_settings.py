@@ -65,7 +65,7 @@ def test_bad_value_is_the_same_one_line_error_in_cli_and_pytest(
     assert cli_error.startswith(f"offload-harness: error: {message}"), cli_error
     assert "\n" not in cli_error
     pytester.makepyfile("def test_nothing():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "harness.plugin", flag, value)
+    result = pytester.runpytest("-p", "harness.plugin", flag, value)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert f"ERROR: {message}" in result.stderr.str(), result.stderr.str()
 
@@ -122,7 +122,7 @@ def test_race_delays_need_cuda_in_cli_and_pytest(
         assert cli.main(["run", "--device", "cpu", *argv]) == 2
         assert message in capsys.readouterr().err
         pytester.makepyfile("def test_nothing():\n    pass\n")
-        result = pytester.runpytest_subprocess("-p", "harness.plugin", "--device", "cpu", *argv)
+        result = pytester.runpytest("-p", "harness.plugin", "--device", "cpu", *argv)
         assert result.ret == pytest.ExitCode.USAGE_ERROR
         assert message in result.stderr.str()
 
@@ -135,7 +135,7 @@ def test_empty_report_dir_writes_nothing_in_run_and_pytest(
     code = cli.main(["run", "--device", "cpu", "--case", case, "--steps", "2", "--report-dir", ""])
     assert code in (0, 1)
     pytester.makepyfile("def test_nothing():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "harness.plugin", "--report-dir", "")
+    result = pytester.runpytest("-p", "harness.plugin", "--report-dir", "")
     assert result.ret == 0
     leftovers = sorted(p.name for p in pytester.path.iterdir() if p.is_dir())
     assert "reports" not in leftovers, leftovers
