@@ -356,7 +356,10 @@ def _preset_family(name: str) -> str:
 
 def command_repro(args: argparse.Namespace) -> int:
     spec = _repro_spec(args)
-    result = reproduce(spec, bisect=args.bisect, report_root=args.settings.report_dir)
+    folder = _claim_folder(args.settings.report_dir)  # created and write-tested before the runs
+    result = reproduce(
+        spec, bisect=args.bisect, report_root=args.settings.report_dir, folder=folder
+    )
     return 1 if result.diverged else 0
 
 

@@ -286,6 +286,7 @@ def reproduce(
     *,
     bisect: bool = False,
     report_root: Path | None = Path("reports"),
+    folder: Path | None = None,
     out: Callable[[str], None] = print,
 ) -> ReproResult:
     """Run, compare, localise, write the bundle (none when ``report_root`` is None, as
@@ -342,7 +343,7 @@ def reproduce(
     if report_root is None:
         out("repro bundle: none (--report-dir '')")
         return ReproResult(diverged=diverged, lines=lines, bundle=None)
-    bundle = write_bundle(spec, plain, offload, lines, report_root, bisect=bisect)
+    bundle = write_bundle(spec, plain, offload, lines, report_root, bisect=bisect, folder=folder)
     out(f"repro bundle: {bundle}")
     return ReproResult(diverged=diverged, lines=lines, bundle=bundle)
 
@@ -382,9 +383,10 @@ def write_bundle(
     report_root: Path,
     *,
     bisect: bool = False,
+    folder: Path | None = None,
 ) -> Path:
     """``<new report folder>/repro/`` with spec.json, both traces, command.txt, output.txt."""
-    bundle = run_folder(report_root) / "repro"
+    bundle = (folder if folder is not None else run_folder(report_root)) / "repro"
     bundle.mkdir()
     (bundle / "spec.json").write_text(json.dumps(spec.to_json(), indent=2, default=str) + "\n")
     (bundle / "baseline.txt").write_text(trace_text(plain.losses))

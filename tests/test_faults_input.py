@@ -500,3 +500,21 @@ def test_cli_refuses_a_run_that_cannot_fit_before_training(
         assert cli.main([command, *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert "needs 532 GB of token batches" in err and "\n" not in err, err
+
+
+def test_repro_checks_its_report_dir_before_the_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from harness import cli
+
+    taken = tmp_path / "taken"
+    taken.write_text("")
+
+    def reproduce(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("repro trained before refusing its --report-dir")
+
+    monkeypatch.setattr(cli, "reproduce", reproduce)
+    argv = ["repro", "--device", "cpu", "--pattern", "+-", "--offload", "core_attn"]
+    assert cli.main([*argv, "--report-dir", str(taken)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"offload-harness: error: --report-dir {taken}: "), err
