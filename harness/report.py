@@ -12,6 +12,7 @@ not the current directory's.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import importlib.metadata
 import json
 import os
@@ -218,19 +219,29 @@ def _why(exc: OSError) -> str:
     return " ".join(f"{text}{where}".split())
 
 
+@functools.lru_cache(maxsize=8)
+def _session_facts(
+    package_dir: Path, cwd: Path
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """Machine, harness commit and current-directory commit, read once per (package folder,
+    current directory): a run rewrites summary.json after every case, and each read costs five
+    git calls (and nvidia-smi on CUDA). The summary describes the tree the run started from."""
+    commit = commit_info()
+    return machine_info(), commit, cwd_commit_info(commit)
+
+
 def summary_text(cases: list[dict[str, Any]], *, status: str = "complete", **extra: Any) -> str:
     """The JSON text of a session summary: version, time, ``status`` (one of ``STATUSES``),
     machine, commit (the harness's), ``cwd_commit`` (only when the current directory is
     another checkout or commit), ``extra``, cases."""
     if status not in STATUSES:
         raise ValueError(f"summary status must be one of {', '.join(STATUSES)}; got {status!r}")
-    commit = commit_info()
-    cwd_commit = cwd_commit_info(commit)
+    machine, commit, cwd_commit = _session_facts(PACKAGE_DIR, Path.cwd())
     summary = {
         "harness_version": HARNESS_VERSION,
         "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "status": status,
-        "machine": machine_info(),
+        "machine": machine,
         "commit": commit,
         **({"cwd_commit": cwd_commit} if cwd_commit is not None else {}),
         **extra,
