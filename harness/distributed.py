@@ -48,23 +48,63 @@ def barrier() -> None:
         dist.barrier()
 
 
+_CLIENTS: dict[str, dist.Store] = {}
+
+
+def _store(client: str = "main") -> dist.Store:
+    """The harness's own store client ``client`` (keys under ``offload-harness/``): a client of
+    torchrun's TCP store per thread that uses it, so a watchdog thread can read while the main
+    thread blocks in a wait on its own client; the default group's store when torchrun's
+    address is not in the environment."""
+    if client not in _CLIENTS:
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if host and port:
+            base: dist.Store = dist.TCPStore(
+                host, int(port), is_master=False, timeout=DEFAULT_TIMEOUT, wait_for_workers=False
+            )
+        else:
+            base = dist.distributed_c10d._get_default_store()
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        _CLIENTS[client] = dist.PrefixStore(f"offload-harness/attempt-{attempt}", base)
+    return _CLIENTS[client]
+
+
 def mark_arrived(tag: str) -> None:
     """Note in the process group's store that this rank reached ``tag`` (e.g. the barrier
     after a test), so a rank that waits there can later name the ones that never came."""
     if world_size() > 1:
-        dist.distributed_c10d._get_default_store().set(f"arrived/{tag}/{rank()}", "1")
+        _store().set(f"arrived/{tag}/{rank()}", "1")
 
 
-def missing_ranks(tag: str) -> list[int]:
-    """The ranks that have not marked ``tag`` (``mark_arrived``); [] without a group or when
-    the store cannot be read (it lives on rank 0's agent: a dead job takes it along)."""
+def missing_ranks(tag: str, client: str = "watch") -> list[int]:
+    """The ranks that have not marked ``tag`` (``mark_arrived``), read through store client
+    ``client``; [] without a group or when the store cannot be read (it lives on torchrun's
+    agent: a dead job takes it along)."""
     if world_size() == 1:
         return []
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = _store(client)
         return [r for r in range(world_size()) if not store.check([f"arrived/{tag}/{r}"])]
     except Exception:
         return []
+
+
+def post(tag: str, value: str) -> None:
+    """Publish this rank's ``value`` under ``tag`` in the store (nothing without a group)."""
+    if world_size() > 1:
+        _store().set(f"post/{tag}/{rank()}", value)
+
+
+def gather_posts(tag: str, timeout: datetime.timedelta) -> list[str]:
+    """Every rank's ``post`` under ``tag``, waiting up to ``timeout`` for the missing ones. A
+    store rendezvous, not a collective: a rank stuck in a collective elsewhere is not matched
+    against it. Raises ``RuntimeError`` (``DistStoreError``) past the timeout."""
+    if world_size() == 1:
+        return []
+    store = _store()
+    keys = [f"post/{tag}/{r}" for r in range(world_size())]
+    store.wait(keys, timeout)
+    return [store.get(key).decode("utf-8", "replace") for key in keys]
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:

@@ -144,6 +144,10 @@ import time
 
 def test_sleeps_past_the_timeout():
     time.sleep(60)
+
+
+def test_runs_after_the_timeout():
+    pass
 """
 
 
@@ -166,7 +170,9 @@ def _pytest(folder: Path, *args: str, timeout: float = 240) -> subprocess.Comple
     )
 
 
-def test_timeout_dumps_stacks_and_fails_instead_of_hanging(pytester: pytest.Pytester) -> None:
+def test_timeout_dumps_stacks_fails_the_test_and_the_session_goes_on(
+    pytester: pytest.Pytester,
+) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_sleeper=SLEEPER)
     done = _pytest(pytester.path, "--case-timeout", "3", "--report-dir", "", "-p", "no:xdist")
@@ -178,6 +184,8 @@ def test_timeout_dumps_stacks_and_fails_instead_of_hanging(pytester: pytest.Pyte
     ), done.stderr
     assert "most recent call first" in done.stderr, "every thread's stack follows the label"
     assert "in test_sleeps_past_the_timeout" in done.stderr, "the dump shows the test's frame"
+    assert "CaseTimeout: rank 0 pid" in done.stdout, "the test fails with the interrupt"
+    assert "1 failed, 1 passed" in done.stdout, "the session goes on after the timeout"
 
 
 def test_xdist_with_torchrun_world_is_refused(pytester: pytest.Pytester) -> None:
@@ -214,6 +222,7 @@ def test_next_test_still_runs():
 """
 
 
+@pytest.mark.torchrun
 def test_torchrun_two_ranks_collective_verdict(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_ranks=RANK_TESTS)
@@ -237,6 +246,26 @@ def test_torchrun_two_ranks_collective_verdict(pytester: pytest.Pytester) -> Non
         assert "1 failed, 1 passed" in text
 
 
+def _torchrun(folder: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node=2", "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-v"]
+    command += ["--device", "cpu", "--report-dir", "reports", *args]
+    began = time.perf_counter()
+    done = subprocess.run(
+        command, cwd=folder, env=_clean_env(), capture_output=True, text=True, timeout=300
+    )
+    return done, time.perf_counter() - began
+
+
+def _summary(folder: Path) -> dict:
+    (path,) = folder.glob("reports/*/summary.json")
+    return json.loads(path.read_text())
+
+
+def _rank_logs(folder: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in folder.glob("reports/*/rank*.log")}
+
+
 HANG_ON_RANK_ONE = """
 import time
 
@@ -250,40 +279,132 @@ def test_passes_first():
 def test_rank_one_hangs():
     if distributed.rank() == 1:
         time.sleep(600)
+
+
+def test_runs_after_the_hang():
+    assert distributed.all_gather_object(distributed.rank()) == [0, 1]
 """
 
 
-def test_torchrun_hang_on_one_rank_is_bounded_labelled_and_reported(
+@pytest.mark.torchrun
+def test_torchrun_hang_on_one_rank_fails_that_test_and_the_session_goes_on(
     pytester: pytest.Pytester,
 ) -> None:
-    """Rank 1 hangs, rank 0 waits at the barrier after the test: both dump labelled stacks at
-    --case-timeout, rank 0 names the rank that never arrived and writes a partial summary.json
-    (status timed-out, the test, the missing rank), and the rank logs hold what ran."""
+    """Rank 1 hangs in rank-local code while rank 0 waits after the test: at --case-timeout both
+    write labelled stacks, rank 1's test is interrupted (CaseTimeout), rank 0 reports rank 1's
+    timeout as its own failure, and the next test runs on both ranks; summary.json is complete."""
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_hang=HANG_ON_RANK_ONE)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node=2", "-m", "pytest", "-p", "no:cacheprovider", "-rA"]
-    command += ["--device", "cpu", "--report-dir", "reports", "--case-timeout", "15"]
-    began = time.perf_counter()
-    done = subprocess.run(
-        command, cwd=pytester.path, env=_clean_env(), capture_output=True, text=True, timeout=300
-    )
-    seconds = time.perf_counter() - began
-    assert done.returncode != 0
-    assert seconds < 15 + 60, seconds
+    done, seconds = _torchrun(pytester.path, "--case-timeout", "15")
     out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert seconds < 15 + 60, seconds
     test = "test_hang.py::test_rank_one_hangs"
-    assert f"timed out in {test} after 15 s" in out, out
     assert re.search(
-        rf"rank 0 pid \d+ timed out in {re.escape(test)} .*"
-        r"never reached the barrier after it: \[1\]",
+        rf"rank 0 pid \d+ timed out in {re.escape(test)} after 15 s .*ranks still inside it: \[1\]",
         out,
     ), out
     assert re.search(rf"rank 1 pid \d+ timed out in {re.escape(test)}", out), out
-    (summary_path,) = pytester.path.glob("reports/*/summary.json")
-    summary = json.loads(summary_path.read_text())
-    assert summary["status"] == "timed-out", summary
-    assert summary["timed_out"] == {"test": test, "rank": 0, "missing": [1]}
-    logs = {p.name: p.read_text() for p in pytester.path.glob("reports/*/rank*.log")}
+    assert "most recent call first" in out, "every thread's stack follows the label"
+    assert f"FAILED {test}" in out and "rank 1 timed-out: " in out, out
+    assert "PASSED test_hang.py::test_runs_after_the_hang" in out, "the session went on"
+    assert "1 failed, 2 passed" in out, out
+    summary = _summary(pytester.path)
+    assert summary["status"] == "complete", summary
+    assert summary["failed_tests"] == [test], summary
+    logs = _rank_logs(pytester.path)
     assert set(logs) == {"rank0.log", "rank1.log"}, logs
     assert all("timed out in" in text for text in logs.values()), logs
+    assert "CaseTimeout" in logs["rank1.log"], "rank 1's own failure is the interrupt"
+
+
+STUCK_IN_A_COLLECTIVE = """
+import time
+
+from harness import distributed
+
+
+def test_passes_first():
+    assert True
+
+
+def test_rank_one_hangs_before_a_collective():
+    if distributed.rank() == 1:
+        time.sleep(600)
+    distributed.all_gather_object(distributed.rank())
+
+
+def test_never_reached():
+    pass
+"""
+
+
+@pytest.mark.torchrun
+def test_torchrun_rank_stuck_in_a_collective_ends_with_a_partial_summary(
+    pytester: pytest.Pytester,
+) -> None:
+    """Rank 1 hangs before a collective that rank 0 already waits in: rank 0 cannot be
+    interrupted (it is inside gloo), so GRACE_S after the timeout it writes a partial
+    summary.json (timed-out: the test, the ranks inside it) and the job ends, bounded."""
+    from harness.plugin.dist import GRACE_S
+
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_stuck=STUCK_IN_A_COLLECTIVE)
+    done, seconds = _torchrun(pytester.path, "--case-timeout", "10")
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert seconds < 10 + GRACE_S + 45, seconds
+    test = "test_stuck.py::test_rank_one_hangs_before_a_collective"
+    assert re.search(rf"rank 0 pid \d+ timed out in {re.escape(test)} .*\[0, 1\]", out), out
+    assert re.search(rf"rank 0 pid \d+: {re.escape(test)} did not end within", out), out
+    summary = _summary(pytester.path)
+    assert summary["status"] == "timed-out", summary
+    assert summary["timed_out"]["test"] == test and summary["timed_out"]["missing"] == [0, 1]
+    assert summary["tests"]["passed"] == 1, "what ran before is in the partial summary"
+    logs = _rank_logs(pytester.path)
+    assert set(logs) == {"rank0.log", "rank1.log"}, logs
+    assert "test_passes_first PASSED" in logs["rank1.log"], logs["rank1.log"]
+
+
+KILLED_RANK = """
+import os
+import signal
+
+from harness import distributed
+
+
+def test_passes_first():
+    assert True
+
+
+def test_rank_one_is_killed():
+    if distributed.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.torchrun
+def test_torchrun_killed_rank_leaves_labelled_stacks_and_a_partial_summary(
+    pytester: pytest.Pytester,
+) -> None:
+    """kill -9 of rank 1: torchrun stops rank 0 with SIGTERM, which writes a labelled stack dump
+    and a partial summary.json (aborted: the test, the rank that never finished it); rank 1's
+    log holds every line it wrote before it died."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_kill=KILLED_RANK)
+    done, seconds = _torchrun(pytester.path, "--case-timeout", "60")
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert seconds < 45, seconds
+    test = "test_kill.py::test_rank_one_is_killed"
+    assert re.search(
+        rf"rank 0 pid \d+ stopped by torchrun \(SIGTERM: another rank exited\) in "
+        rf"{re.escape(test)}; ranks that had not finished it: \[1\]",
+        out,
+    ), out
+    summary = _summary(pytester.path)
+    assert summary["status"] == "aborted", summary
+    assert summary["aborted"] == {"test": test, "rank": 0, "signal": "SIGTERM", "missing": [1]}
+    logs = _rank_logs(pytester.path)
+    assert "stopped by torchrun" in logs["rank0.log"], logs["rank0.log"]
+    assert "test_passes_first PASSED" in logs["rank1.log"], logs["rank1.log"]
