@@ -19,7 +19,7 @@ import torch
 
 from harness.cases import Case
 from harness.compare import first_divergence, loss_table
-from harness.execute import CaseRun, Environment, MemoryResult, total
+from harness.execute import CaseRun, Environment, MemoryResult, attribution_mismatches, total
 from harness.predict import GroupKey, predict
 from harness.repro import case_command
 from harness.spec import ModelSpec
@@ -165,27 +165,50 @@ def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[st
         return ["the prediction moves nothing in the final step: the case would prove nothing"]
     problems = []
     final = f"step {case.steps - 1} (the final step)"
+    att = res.attribution
+    source = att.source if att is not None else "offloader ranges"
     if res.mismatches():
-        problems += [f"profiler vs prediction in {final}:", *res.mismatches()]
+        problems += [f"counted ({source}) vs prediction in {final}:", *res.mismatches()]
     if res.log_mismatches():
-        problems += [f"offloader log vs profiler in {final}:", *res.log_mismatches()]
+        problems += [f"offloader log vs counted ({source}) in {final}:", *res.log_mismatches()]
+    crossed = attribution_mismatches(res, case.steps - 1)
+    if crossed:
+        problems += ["the offloader's own ranges vs the harness's group windows:", *crossed]
     copied = [k for k, f in res.measured.items() if f["d2h_copies"] or f["h2d_copies"]]
     if res.counts.pageable:
         problems.append(
             f"{final}: {res.counts.pageable} offload copies used pageable host memory, among "
             f"the copies of {_occurrences(copied)}"
         )
+    if att is not None and any(att.outside):
+        problems.append(
+            f"copies outside every group window (a D2H issued after its group's commit, or an "
+            f"H2D from host memory no observed D2H wrote): {att.outside[0]} in step 0, "
+            f"{att.outside[1]} in {final}; {att.windows[1].unattributed}"
+        )
     runner = res.runner_copies[1].unattributed if res.runner_copies else {}
-    stray = {
-        d: c
-        for d, c in res.counts.unattributed.items()
-        if c.copies and c != runner.get(d, Counts())
-    }
+    if source == "harness windows":
+        # No range of its own: every memcpy the profiler saw is unattributed there. The ones
+        # not the runner's must be the observer's (a copy bypassing the dispatcher is not).
+        assert att is not None
+        seen = res.counts.totals()
+        stray = {}
+        for d, c in att.profiled[1].unattributed.items():
+            observed = seen[d].copies + att.windows[1].unattributed[d].copies
+            if c.copies - runner.get(d, Counts()).copies != observed:
+                theirs = runner.get(d, Counts()).copies
+                stray[d] = f"profiler {c.copies}, runner's {theirs}, observed {observed}"
+    else:
+        stray = {
+            d: c
+            for d, c in res.counts.unattributed.items()
+            if c.copies and c != runner.get(d, Counts())
+        }
     if device.type == "cuda" and stray:
         problems.append(
-            f"{final}: DtoH/HtoD memcpys outside any offload group range: {stray} (the plain "
-            f"run's own copies in that step: {_nonzero(runner)}); the groups that copied in that "
-            f"step: {_occurrences(copied)}"
+            f"{final}: DtoH/HtoD memcpys outside any offload group ({source}): {stray} (the "
+            f"plain run's own copies in that step: {_nonzero(runner)}); the groups that copied "
+            f"in that step: {_occurrences(copied)}"
         )
     return problems
 
@@ -199,6 +222,15 @@ def disabled_problems(res: CaseRun) -> list[str]:
     if not res.counts.totals()["d2h"].copies:
         return ["the enabled run moved nothing: the disabled comparison proves nothing"]
     runner = total(res.runner_copies[0]) if res.runner_copies else Counts()
+    observed = total(res.disabled_observed)
+    if observed.copies:
+        return [
+            f"step 0 of the run with the offloader disabled still copied: {observed} seen by "
+            "the harness's copy observer, in "
+            + _occurrences(
+                sorted({(k.microbatch, k.layer, k.name) for k in res.disabled_observed.by_range})
+            )
+        ]
     if total(res.disabled) != runner:
         where = [
             f"{key.direction} {key.name} (microbatch {key.microbatch}, layer {key.layer}): "

@@ -17,13 +17,14 @@ import gc
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from harness.cases import Case
 from harness.compare import Verdict, first_tensor_difference, verdict
+from harness.observe import Observed, Windowed, observe
 from harness.offload.backends import capabilities, resolve_backend
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
@@ -31,6 +32,7 @@ from harness.offload.protocol import GroupRecord, Offloader
 from harness.offload.recorder import GroupObservation, RecordingOffloader
 from harness.predict import (
     MEGATRON_MAIN,
+    SIMPLEST,
     Expected,
     GroupKey,
     Semantics,
@@ -62,9 +64,9 @@ class Environment:
 
     @property
     def semantics(self) -> Semantics:
-        """The backend's version-dependent copy rules (its factory's ``semantics``, default
-        Megatron-Core main's), for the prediction."""
-        return capabilities(self.backend).semantics or MEGATRON_MAIN
+        """The backend's copy rules for the prediction: its factory's declared ``semantics``
+        (the reference's and megatron-core's adapters declare theirs), else ``SIMPLEST``."""
+        return capabilities(self.backend).semantics or SIMPLEST
 
     def spec(self, case: Case) -> ModelSpec:
         spec = case.model_spec(self.model_size)
@@ -79,13 +81,70 @@ def _profiled(device: torch.device, sink: list[TransferCounts]) -> Iterator[None
     sink.append(count_transfers(prof, mode="device" if device.type == "cuda" else "cpu"))
 
 
-def profile_steps(device: torch.device, steps: set[int], sink: list[TransferCounts]) -> RunHooks:
-    """Run hooks that profile the listed steps, appending their counts to ``sink``."""
+def profile_steps(
+    device: torch.device,
+    steps: set[int],
+    sink: list[TransferCounts],
+    observer: tuple[Windowed, list[Observed]] | None = None,
+) -> RunHooks:
+    """Run hooks that profile the listed steps, appending their counts to ``sink``; with
+    ``observer`` (the run's ``Windowed`` offloader and a list) the harness's copy observer
+    watches the same steps (``harness.observe``)."""
 
     def context(step: int) -> contextlib.AbstractContextManager[object]:
-        return _profiled(device, sink) if step in steps else contextlib.nullcontext()
+        if step not in steps:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(_profiled(device, sink))
+        if observer is not None:
+            stack.enter_context(observe(observer[0], device, observer[1]))
+        return stack
 
     return RunHooks(step_context=context)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attribution:
+    """Which group each copy of the profiled steps belongs to, and who said so."""
+
+    source: str
+    """``harness windows`` (the offloader opened no range of its own: every count comes from
+    the harness's copy observer) or ``offloader ranges`` (its own profiler ranges, cross-checked
+    against the harness's windows)."""
+    warmup: TransferCounts
+    final: TransferCounts
+    windows: tuple[TransferCounts, TransferCounts]
+    """The observer's counts of the warmup and the final step."""
+    profiled: tuple[TransferCounts, TransferCounts]
+    """The profiler's counts of the same steps (by the offloader's ranges, if it opened any)."""
+    outside: tuple[int, int]
+    """Copies the observer saw outside every group window, in the warmup and the final step."""
+
+
+def attribute(sink: list[TransferCounts], seen: list[Observed], cuda: bool) -> Attribution:
+    """Pick the counts the checks read: the offloader's own ranges when it opened any (as the
+    reference and megatron-core's adapter do), else the harness's windows."""
+    mode = "device" if cuda else "cpu"
+    windows = (seen[0].counts(mode), seen[-1].counts(mode))
+    profiled = (sink[0], sink[-1])
+    outside = (len(seen[0].outside()), len(seen[-1].outside()))
+    if any(c.by_range for c in profiled):
+        return Attribution(
+            source="offloader ranges",
+            warmup=sink[0],
+            final=sink[-1],
+            windows=windows,
+            profiled=profiled,
+            outside=outside,
+        )
+    return Attribution(
+        source="harness windows",
+        warmup=windows[0],
+        final=windows[1],
+        windows=windows,
+        profiled=profiled,
+        outside=outside,
+    )
 
 
 def log_by_group(records: tuple[GroupRecord, ...]) -> dict[GroupKey, dict[str, int]]:
@@ -98,17 +157,25 @@ def log_by_group(records: tuple[GroupRecord, ...]) -> dict[GroupKey, dict[str, i
 
 
 def offload_proof(
-    case: Case, spec: ModelSpec, counts: TransferCounts, microbatches: int
+    case: Case,
+    spec: ModelSpec,
+    counts: TransferCounts,
+    microbatches: int,
+    semantics: Semantics = MEGATRON_MAIN,
+    device: torch.device | None = None,
 ) -> list[str]:
-    """Problems with the claim "every selected name moved bytes in every microbatch"."""
+    """Problems with the claim "every selected name moved bytes in every microbatch" (both
+    ways; out only where the backend declares that a reload on this device copies nothing)."""
     selected = set(case.offload) & set(spec.group_names)
+    back = semantics.reloads_on(device.type if device is not None else "cpu")
     moved = {
         (mb, name)
         for (mb, _, name), fields in counts.by_group().items()
-        if fields["d2h_bytes"] > 0 and fields["h2d_bytes"] > 0
+        if fields["d2h_bytes"] > 0 and (fields["h2d_bytes"] > 0 or not back)
     }
+    way = "both ways" if back else f"out (a reload copies nothing here: {semantics.label})"
     return [
-        f"microbatch {mb}: no {name} group moved bytes both ways in the profiled warmup step"
+        f"microbatch {mb}: no {name} group moved bytes {way} in the profiled warmup step"
         for mb in range(microbatches)
         for name in sorted(selected)
         if (mb, name) not in moved
@@ -142,6 +209,12 @@ class CaseRun:
     """The offloader's own log of the final step (None if it keeps none)."""
     disabled: TransferCounts
     """Profiler counts of a step with the offloader disabled."""
+    disabled_observed: TransferCounts = field(default_factory=lambda: TransferCounts({}))
+    """The copy observer's counts of that step."""
+    attribution: Attribution | None = None
+    """Where ``counts`` and ``warmup_transfers`` came from, with the other side's counts."""
+    semantics: Semantics = MEGATRON_MAIN
+    """The copy rules the prediction used (the backend's declaration, or the simplest model)."""
     runner_copies: tuple[TransferCounts, TransferCounts] | None = None
     """Profiler counts of the plain run's first and final steps: the copies the runner makes
     without any offloader (e.g. FSDP2's), which no offload group range can claim."""
@@ -152,15 +225,24 @@ class CaseRun:
         return self.counts.by_group()
 
     def expected_fields(self) -> dict[GroupKey, dict[str, int]]:
+        back = self.semantics.reloads_on("cuda" if self.counts.mode == "device" else "cpu")
         return {
-            k: dict(zip(COUNTER_FIELDS, (e.copies, e.bytes, e.copies, e.bytes), strict=True))
+            k: dict(
+                zip(
+                    COUNTER_FIELDS,
+                    (e.copies, e.bytes, e.copies if back else 0, e.bytes if back else 0),
+                    strict=True,
+                )
+            )
             for k, e in self.expected.items()
             if e.copies
         }
 
     def mismatches(self) -> list[str]:
-        """Group occurrences whose profiled counts differ from the prediction."""
-        return _diff(self.expected_fields(), self.measured, "predicted", "measured")
+        """Group occurrences whose counted copies differ from the prediction, each with the
+        rule behind the prediction."""
+        whys = {k: e.why for k, e in self.expected.items() if e.why}
+        return _diff(self.expected_fields(), self.measured, "predicted", "measured", whys)
 
     def log_mismatches(self) -> list[str]:
         """Group occurrences whose logged counts differ from the profiler's."""
@@ -176,14 +258,38 @@ _ZERO = dict.fromkeys(COUNTER_FIELDS, 0)
 
 
 def _diff(
-    left: dict[GroupKey, dict[str, int]], right: dict[GroupKey, dict[str, int]], a: str, b: str
+    left: dict[GroupKey, dict[str, int]],
+    right: dict[GroupKey, dict[str, int]],
+    a: str,
+    b: str,
+    whys: dict[GroupKey, str] | None = None,
+    step: str = "final step",
 ) -> list[str]:
+    whys = whys or {}
     return [
-        f"final step, microbatch {k[0]}, layer {k[1]}, group {k[2]}: "
+        f"{step}, microbatch {k[0]}, layer {k[1]}, group {k[2]}: "
         f"{a} {left.get(k, _ZERO)} {b} {right.get(k, _ZERO)}"
+        + (f" - {whys[k]}" if k in whys else "")
         for k in sorted({*left, *right})
         if left.get(k, _ZERO) != right.get(k, _ZERO)
     ]
+
+
+def attribution_mismatches(res: CaseRun, final_step: int) -> list[str]:
+    """Where the offloader's own ranges and the harness's windows disagree (cooperating
+    backends only), per profiled step."""
+    att = res.attribution
+    if att is None or att.source != "offloader ranges":
+        return []
+    out = []
+    for label, ranged, windows in (
+        ("step 0", att.profiled[0], att.windows[0]),
+        (f"step {final_step}", att.profiled[1], att.windows[1]),
+    ):
+        out += _diff(
+            ranged.by_group(), windows.by_group(), "its ranges", "harness windows", step=label
+        )
+    return out
 
 
 def run_case(case: Case, env: Environment) -> CaseRun:
@@ -210,26 +316,29 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     order = schedule_order(run.schedule, run.microbatches)
     warmup, steady = predict(observations, config, order, env.semantics)
     sink: list[TransferCounts] = []
+    seen: list[Observed] = []
     last = run.steps - 1
     final = warmup if last == 0 else steady  # a one-step run's final step is its warmup
-    with _closing(env.offloader(config)) as offloader:
+    with _closing(Windowed(env.offloader(config))) as offloader:
         offload = train(
             spec,
             run,
             offloader,
             env.device,
-            hooks=profile_steps(env.device, {0, last}, sink),
+            hooks=profile_steps(env.device, {0, last}, sink, (offloader, seen)),
             **kept,
         )
+    attribution = attribute(sink, seen, cuda)
     disabled: list[TransferCounts] = []
-    with _closing(env.offloader(config)) as offloader:
+    disabled_seen: list[Observed] = []
+    with _closing(Windowed(env.offloader(config))) as offloader:
         offloader.set_enabled(False)
         train(
             spec,
             run.replace(steps=1),
             offloader,
             env.device,
-            hooks=profile_steps(env.device, {0}, disabled),
+            hooks=profile_steps(env.device, {0}, disabled, (offloader, disabled_seen)),
             sharding=case.sharding,
         )
     result = CaseRun(
@@ -240,13 +349,18 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         verdict=verdict(plain.losses, hooks.losses, offload.losses, case.tolerance),
         grad_difference=first_grad_difference(plain, offload),
         weight_difference=first_tensor_difference(plain.final_state, offload.final_state),
-        warmup_transfers=sink[0],
-        proof_problems=offload_proof(case, spec, sink[0], run.microbatches),
+        warmup_transfers=attribution.warmup,
+        proof_problems=offload_proof(
+            case, spec, attribution.warmup, run.microbatches, env.semantics, env.device
+        ),
         observations=observations,
         expected=final,
-        counts=sink[-1],
+        counts=attribution.final,
+        attribution=attribution,
+        semantics=env.semantics,
         logged=log_by_group(offload.logs[-1].groups) if offload.logs else None,
         disabled=disabled[0],
+        disabled_observed=disabled_seen[0].counts("device" if cuda else "cpu"),
         runner_copies=(plain_sink[0], plain_sink[-1]) if plain_sink else None,
         seconds=time.perf_counter() - start,
     )

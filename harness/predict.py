@@ -41,18 +41,44 @@ class Semantics:
     skip: str = "storage"
     """``storage``: tensors sharing a storage with a parameter or a marked tensor stay;
     ``object``: only ``Parameter`` objects and tensors themselves marked stay (Megatron's
-    attribute check), so a view of a parameter saved by autograd is offloaded."""
+    attribute check), so a view of a parameter saved by autograd is offloaded; ``none``: every
+    saved tensor on the device moves, parameters included."""
+    policies: str = "megatron"
+    """``megatron``: every selected group in the warmup iteration, then Megatron's margin,
+    delta, fraction and last-of-name policies keep some on the device; ``every``: every
+    selected group of every iteration moves (no policy keeps any)."""
+    size_threshold: bool = True
+    """Whether tensors smaller than ``min_offloaded_tensor_size`` elements stay."""
+    host_reload: bool = True
+    """Whether a reload on a CPU device copies the host copy back (False: the unpack hands out
+    the host copy itself, so a CPU run has no H2D; CUDA runs always reload)."""
+    label: str = "Megatron-Core main's rules"
+    """What the prediction's messages call this model."""
 
     def __post_init__(self) -> None:
         if self.view_copy not in ("coverage", "gather"):
             raise ValueError(
                 f"Semantics.view_copy must be coverage or gather, got {self.view_copy!r}"
             )
-        if self.skip not in ("storage", "object"):
-            raise ValueError(f"Semantics.skip must be storage or object, got {self.skip!r}")
+        if self.skip not in ("storage", "object", "none"):
+            raise ValueError(f"Semantics.skip must be storage, object or none, got {self.skip!r}")
+        if self.policies not in ("megatron", "every"):
+            raise ValueError(f"Semantics.policies must be megatron or every, got {self.policies!r}")
+
+    def reloads_on(self, device_type: str) -> bool:
+        """Whether a reload copies back (an H2D) on a device of this type."""
+        return device_type == "cuda" or self.host_reload
 
 
 MEGATRON_MAIN = Semantics()
+
+SIMPLEST = Semantics(
+    view_copy="gather",
+    skip="none",
+    policies="every",
+    size_threshold=False,
+    label="the simplest model: no semantics declared",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,6 +92,9 @@ class Expected:
     """D2H bytes, equal to H2D bytes."""
     freed_storages: frozenset[int]
     """Storage ids (per microbatch) whose device memory the offload frees."""
+    why: str = ""
+    """The rule behind the prediction, for messages (``offloaded: 5 of 6 saved tensors; ...``,
+    ``kept: last group of its name (Megatron's margin rule)``)."""
 
     @property
     def offloaded(self) -> bool:
@@ -85,9 +114,26 @@ def copy_bytes(info: SavedInfo, semantics: Semantics = MEGATRON_MAIN) -> int:
 
 def eligible(info: SavedInfo, config: OffloadConfig, semantics: Semantics = MEGATRON_MAIN) -> bool:
     """Whether an offload of the group moves this saved tensor."""
-    skipped = info.parameter if semantics.skip == "storage" else info.marked_itself
-    tracked = info.on_device and not skipped
-    return tracked and info.numel > 0 and info.numel >= config.min_offloaded_tensor_size
+    return skip_reason(info, config, semantics) is None
+
+
+def skip_reason(
+    info: SavedInfo, config: OffloadConfig, semantics: Semantics = MEGATRON_MAIN
+) -> str | None:
+    """Why an offload of the group leaves this saved tensor on the device (None: it moves)."""
+    if not info.on_device:
+        return "not on the model's device"
+    if semantics.skip == "storage" and info.parameter:
+        return "shares its storage with a parameter or a marked tensor"
+    if semantics.skip == "object" and info.marked_itself:
+        return "is a parameter or a marked tensor itself"
+    if info.numel == 0:
+        return "is empty"
+    if semantics.size_threshold and info.numel < config.min_offloaded_tensor_size:
+        return (
+            f"{info.numel} elements < min_offloaded_tensor_size {config.min_offloaded_tensor_size}"
+        )
+    return None
 
 
 def _group_bytes(
@@ -145,17 +191,53 @@ def predict(
             copies=c,
             bytes=b,
             freed_storages=_freed(by_key[k], config, semantics),
+            why=_moved_why(by_key[k], config, semantics),
         )
         for k, (c, b) in moved.items()
     }
+    if semantics.policies == "every":
+        return warmup, dict(warmup)
     kept = _steady_decisions(keys, {k: b for k, (_, b) in moved.items()}, config, order)
     steady = {
         k: warmup[k]
         if k not in kept
-        else Expected(decision=kept[k], copies=0, bytes=0, freed_storages=frozenset())
+        else Expected(
+            decision=kept[k],
+            copies=0,
+            bytes=0,
+            freed_storages=frozenset(),
+            why=f"{KEPT_RULES[kept[k]]} ({semantics.label})",
+        )
         for k in keys
     }
     return warmup, steady
+
+
+KEPT_RULES = {
+    "kept:margin": "kept: last group of its name in the first chunk to run backward (Megatron's "
+    "margin rule)",
+    "kept:delta": "kept: within pp_rank * delta_offload_bytes_across_pp_ranks (Megatron's delta "
+    "rule)",
+    "kept:fraction": "kept: beyond activation_offload_fraction of the chunk's groups (Megatron's "
+    "fraction rule)",
+    "kept:last_of_name": "kept: its chunk's last group of the name, and that chunk runs backward "
+    "next (Megatron's last-of-name rule)",
+}
+
+
+def _moved_why(obs: GroupObservation, config: OffloadConfig, semantics: Semantics) -> str:
+    reasons: dict[str, int] = {}
+    for info in obs.saved:
+        why = skip_reason(info, config, semantics)
+        if why is not None:
+            reasons[why] = reasons.get(why, 0) + 1
+    moved = len(obs.saved) - sum(reasons.values())
+    skipped = "; ".join(f"{n} skipped: {why}" for why, n in reasons.items())
+    return (
+        f"offloaded: {moved} of {len(obs.saved)} saved tensors"
+        + (f"; {skipped}" if skipped else "")
+        + f" ({semantics.label})"
+    )
 
 
 def _steady_decisions(

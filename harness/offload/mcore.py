@@ -108,7 +108,7 @@ class McoreOffloader:
     at a time: megatron-core's manager is a process-wide singleton, reset on construction)."""
 
     name = "mcore"
-    semantics = Semantics(view_copy="gather", skip="object")
+    semantics = Semantics(view_copy="gather", skip="object", label="megatron-core 0.19's rules")
     """megatron-core 0.19's copy rules: non-contiguous tensors are gathered (no whole-storage
     copy of covering views), and only ``Parameter`` objects and tensors carrying the
     not-offload attribute themselves are skipped (a ``W.t()`` saved by a matmul is moved)."""

@@ -50,6 +50,7 @@ from harness.offload.policy import apply_post_warmup
 from harness.offload.pool import HostBufferPool, staging_buffer
 from harness.offload.protocol import Capabilities, GroupRecord, IterationLog, Output
 from harness.offload.ranges import Direction, profiler_range
+from harness.predict import MEGATRON_MAIN
 
 # A non-contiguous view covering at least this share of its storage is copied as the whole flat
 # storage (one DMA, layout restored on reload); a sparser view is gathered to contiguous.
@@ -246,6 +247,7 @@ class OffloadContext:
     name = "reference"
     capabilities: ClassVar[Capabilities] = Capabilities(
         description="the bundled reference offloader (Megatron-Core semantics, known bugs fixed)",
+        semantics=MEGATRON_MAIN,
         race_delays=True,
     )
     """Its backend record; variants inherit it (Megatron-Core main's semantics, ``delays=``)."""

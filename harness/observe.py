@@ -1,0 +1,289 @@
+"""Black-box transfer attribution: the harness, not the offloader, says which group a copy
+belongs to.
+
+An offloader under test needs no cooperation (no profiler ranges of its own). Two pieces:
+
+``Windowed`` (an ``Offloader`` wrapper)
+    Brackets every group occurrence's forward with a *window*: it opens when the model calls
+    ``group(name, x, layer=)`` and closes when that group's ``commit`` returns. The model code
+    knows each group's name, layer and microbatch (``begin_microbatch``), so the window is the
+    group occurrence ``(microbatch, layer, name)``.
+
+``CopyObserver`` (a ``TorchDispatchMode``)
+    Sees every aten op of an observed step, on every thread autograd runs backward on (the mode
+    is part of the thread-local state autograd carries into its worker threads), and records
+    each copy between memories:
+
+    * on CUDA: ``copy_``/``_to_copy``/``_copy_from`` between a CUDA tensor and a host tensor.
+      D2H when the source is on the GPU, H2D when the destination is; pageable when the host
+      side is not pinned;
+    * on a CPU device (activations already live on the host, so an "offload" is a copy into a
+      separate host buffer): a same-dtype ``copy_``/``_to_copy`` into a fresh buffer inside a
+      group's forward window is a D2H; a copy *from* a buffer that such a D2H wrote is an H2D.
+      Casts, ``clone`` (``.contiguous()``) and copies outside windows are never counted.
+
+How a copy is attributed to a group occurrence
+    D2H: the window open when the copy was issued; none open is ``outside`` (reported by the
+    transfer check, never dropped). H2D: the group whose D2H wrote the host memory it reads
+    (the last D2H into that address), so a prefetch issued during another group's backward is
+    still the prefetched group's; an H2D from memory no observed D2H wrote is ``outside``.
+    Bytes are the destination's ``numel * element_size``.
+
+What it cannot see: copies that bypass the dispatcher (a C++/CUDA extension calling
+``cudaMemcpyAsync`` itself). On CUDA the transfer check compares the observer's totals with the
+profiler's memcpy totals, so such copies show up as a difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from harness.offload.protocol import Group, IterationLog, Offloader, Output, Wrapper
+from harness.offload.ranges import Direction, RangeKey
+from harness.transfers import DIRECTIONS, Counts, TransferCounts
+
+GroupKey = tuple[int, int, str]  # (microbatch, layer, name)
+
+_aten = torch.ops.aten
+_COPY_OPS = {
+    _aten.copy_.default: "copy_",
+    _aten._to_copy.default: "_to_copy",
+    _aten._copy_from.default: "_copy_from",
+}
+
+
+class _WindowState:
+    """The forward window open now (one model thread drives the forward)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.microbatch = 0
+        self.open: list[GroupKey] = []
+
+    def current(self) -> GroupKey | None:
+        with self.lock:
+            return self.open[-1] if self.open else None
+
+
+class _WindowGroup:
+    """The inner offloader's group, with the harness's window around its forward."""
+
+    def __init__(self, inner: Group, state: _WindowState, key: GroupKey) -> None:
+        self.inner, self.state, self.key = inner, state, key
+        self.closed = False
+
+    @property
+    def input(self) -> torch.Tensor:
+        return self.inner.input
+
+    def __enter__(self) -> _WindowGroup:
+        self.inner.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.inner.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            self.close()
+
+    def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
+        try:
+            return self.inner.commit(output, release)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with self.state.lock:
+            if self.key in self.state.open:
+                self.state.open.remove(self.key)
+
+
+class Windowed(Wrapper):
+    """``inner`` with a harness window around every group occurrence's forward."""
+
+    def __init__(self, inner: Offloader) -> None:
+        super().__init__(inner)
+        self.state = _WindowState()
+
+    def begin_microbatch(self, microbatch: int) -> None:
+        self.state.microbatch = microbatch
+        self.inner.begin_microbatch(microbatch)
+
+    def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
+        key = (self.state.microbatch, layer, name)
+        with self.state.lock:
+            self.state.open.append(key)
+        try:
+            inner = self.inner.group(name, x, layer=layer)
+        except BaseException:
+            with self.state.lock:
+                self.state.open.remove(key)
+            raise
+        return _WindowGroup(inner, self.state, key)
+
+    def iteration_logs(self) -> list[IterationLog]:
+        return self.inner.iteration_logs()
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """One observed copy."""
+
+    direction: Direction
+    op: str
+    nbytes: int
+    group: GroupKey | None
+    """The group occurrence it is attributed to (None: outside every window)."""
+    pageable: bool
+    thread: int
+
+
+@dataclass(kw_only=True)
+class Observed:
+    """What one observed step copied."""
+
+    copies: list[Copy] = field(default_factory=list)
+
+    def counts(self, mode: str) -> TransferCounts:
+        """The same record the profiler counter gives (``harness.transfers``), attributed by
+        harness windows; copies outside every window are ``unattributed``."""
+        by_range: dict[RangeKey, Counts] = defaultdict(Counts)
+        outside = {d: Counts() for d in DIRECTIONS}
+        pageable = 0
+        for copy in self.copies:
+            one = Counts(1, copy.nbytes)
+            if copy.group is None:
+                outside[copy.direction] += one
+                continue
+            mb, layer, name = copy.group
+            by_range[RangeKey(copy.direction, name, mb, layer)] += one
+            pageable += copy.pageable
+        return TransferCounts(dict(by_range), outside, pageable, mode=mode)  # type: ignore[arg-type]
+
+    def outside(self) -> list[Copy]:
+        return [c for c in self.copies if c.group is None]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CopyObserver(TorchDispatchMode):
+    """Records the copies between memories of the ops run while it is active (see the module
+    docstring); ``state`` gives the forward window open at each copy."""
+
+    def __init__(self, state: _WindowState, device: torch.device) -> None:
+        super().__init__()
+        self.state = state
+        self.host_device = device.type != "cuda"
+        self.observed = Observed()
+        self.written: dict[int, GroupKey] = {}
+        """Host address a D2H wrote -> its group (the latest D2H into that address)."""
+        self.keep: list[torch.UntypedStorage] = []
+        """Every host storage a D2H wrote, held until the step ends: no address a D2H wrote
+        can be freed and reused by another tensor while the step is observed (host memory
+        only; device memory and what the offloader frees are untouched)."""
+        self.lock = threading.Lock()
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        op = _COPY_OPS.get(func)
+        if op is not None:
+            try:
+                src, dst = _endpoints(func, args, out)
+            except (IndexError, TypeError):
+                return out
+            if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
+                self._note(op, src, dst)
+        return out
+
+    def _note(self, op: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.host_device:
+            self._note_host(op, src, dst)
+            return
+        if src.device.type == "cuda" and dst.device.type == "cpu":
+            group = self.state.current()
+            with self.lock:
+                if group is not None:
+                    self._wrote(dst, group)
+                self._add("d2h", op, dst, group, not dst.is_pinned())
+        elif src.device.type == "cpu" and dst.device.type == "cuda":
+            with self.lock:
+                group = self.written.get(src.data_ptr())
+                self._add("h2d", op, dst, group, not src.is_pinned())
+
+    def _note_host(self, op: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.dtype != dst.dtype or src.device.type != "cpu" or dst.device.type != "cpu":
+            return
+        if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
+            return  # an in-place copy within one buffer
+        with self.lock:
+            source_group = self.written.get(src.data_ptr())
+            if source_group is not None:  # reading back a host copy
+                self._add("h2d", op, dst, source_group, False)
+                return
+            group = self.state.current()
+            if group is None:
+                return  # a host copy outside every group window is the model's or runner's
+            self._wrote(dst, group)
+            self._add("d2h", op, dst, group, False)
+
+    def _wrote(self, dst: torch.Tensor, group: GroupKey) -> None:
+        self.written[dst.data_ptr()] = group
+        self.keep.append(dst.untyped_storage())
+
+    def _add(
+        self,
+        direction: Direction,
+        op: str,
+        dst: torch.Tensor,
+        group: GroupKey | None,
+        pageable: bool,
+    ) -> None:
+        self.observed.copies.append(
+            Copy(direction, op, _nbytes(dst), group, pageable, threading.get_ident())
+        )
+
+
+def _endpoints(func: Any, args: tuple[Any, ...], out: Any) -> tuple[Any, Any]:
+    """(source, destination) of a copy op."""
+    if func is _aten.copy_.default:
+        return args[1], args[0]
+    if func is _aten._copy_from.default:
+        return args[0], args[1]
+    return args[0], out  # _to_copy
+
+
+@contextlib.contextmanager
+def observe(offloader: Offloader, device: torch.device, sink: list[Observed]) -> Iterator[None]:
+    """Observe the copies of the ops run inside, attributed by ``offloader``'s windows (a
+    ``Windowed``; anything else observes nothing attributable and is refused)."""
+    if not isinstance(offloader, Windowed):
+        raise TypeError("observe() needs the run's offloader wrapped in harness.observe.Windowed")
+    mode = CopyObserver(offloader.state, device)
+    with mode:
+        yield
+    sink.append(mode.observed)
