@@ -176,9 +176,13 @@ def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[st
         problems += ["the offloader's own ranges vs the harness's group windows:", *crossed]
     copied = [k for k, f in res.measured.items() if f["d2h_copies"] or f["h2d_copies"]]
     if res.counts.pageable:
+        where = (
+            f"in {_occurrences(att.pageable_groups)}"
+            if att is not None and att.pageable_groups
+            else f"among the copies of {_occurrences(copied)}"
+        )
         problems.append(
-            f"{final}: {res.counts.pageable} offload copies used pageable host memory, among "
-            f"the copies of {_occurrences(copied)}"
+            f"{final}: {res.counts.pageable} offload copies used pageable host memory, {where}"
         )
     if att is not None and any(att.outside):
         problems.append(

@@ -119,6 +119,8 @@ class Attribution:
     """The profiler's counts of the same steps (by the offloader's ranges, if it opened any)."""
     outside: tuple[int, int]
     """Copies the observer saw outside every group window, in the warmup and the final step."""
+    pageable_groups: tuple[GroupKey, ...] = ()
+    """Group occurrences with a copy from/to pageable host memory in the final step (observer)."""
 
 
 def attribute(sink: list[TransferCounts], seen: list[Observed], cuda: bool) -> Attribution:
@@ -128,6 +130,7 @@ def attribute(sink: list[TransferCounts], seen: list[Observed], cuda: bool) -> A
     windows = (seen[0].counts(mode), seen[-1].counts(mode))
     profiled = (sink[0], sink[-1])
     outside = (len(seen[0].outside()), len(seen[-1].outside()))
+    pageable = tuple(sorted({c.group for c in seen[-1].copies if c.pageable and c.group}))
     if any(c.by_range for c in profiled):
         return Attribution(
             source="offloader ranges",
@@ -136,6 +139,7 @@ def attribute(sink: list[TransferCounts], seen: list[Observed], cuda: bool) -> A
             windows=windows,
             profiled=profiled,
             outside=outside,
+            pageable_groups=pageable,
         )
     return Attribution(
         source="harness windows",
@@ -242,13 +246,16 @@ class CaseRun:
         """Group occurrences whose counted copies differ from the prediction, each with the
         rule behind the prediction."""
         whys = {k: e.why for k, e in self.expected.items() if e.why}
-        return _diff(self.expected_fields(), self.measured, "predicted", "measured", whys)
+        step = f"step {self.case.steps - 1}"
+        return _diff(self.expected_fields(), self.measured, "predicted", "measured", whys, step)
 
     def log_mismatches(self) -> list[str]:
         """Group occurrences whose logged counts differ from the profiler's."""
         if self.logged is None:
             return []
-        return _diff(self.logged, self.measured, "log", "profiler")
+        return _diff(
+            self.logged, self.measured, "log", "counted", step=f"step {self.case.steps - 1}"
+        )
 
     def moved_names(self) -> set[str]:
         return {name for (_, _, name), f in self.measured.items() if f["d2h_copies"]}

@@ -58,14 +58,15 @@ BUILTIN: dict[str, Factory] = {
 EXTRA: dict[str, str] = {
     "mcore": "harness.offload.mcore:McoreOffloader",
     "mcore.inline-wait": "harness.offload.mcore:with_inline_reload_wait",
+    "save-on-cpu": "harness.offload.adapters:SaveOnCpu",
 }
 """Further named backends provided by optional modules: name -> ``module:factory``. ``mcore``
 drives megatron-core's own offloader (CUDA and the ``mcore`` extra); ``mcore.inline-wait`` adds
 the D2H wait its inline reload lacks, to localise Megatron-LM #7398."""
 
 UNDECLARED = Capabilities()
-"""The record of a factory that declares none: no description, Megatron-Core main's semantics,
-no race delays, runs anywhere."""
+"""The record of a factory that declares none: no description, no semantics (the prediction
+uses ``harness.predict.SIMPLEST`` and says so), no race delays, runs anywhere."""
 
 DELAYS = "+delays"
 DEFAULT_RACE_DELAYS = RaceDelays(d2h=LONG_DELAY, h2d=LONG_DELAY)
@@ -303,15 +304,34 @@ def _declared(factory: Factory, shown: str) -> Capabilities:
     return record
 
 
+def _import_here_too(module_name: str) -> object:
+    """Import ``module_name``; a top-level module found in the current directory but not on the
+    import path (a console script, unlike ``python -m``, does not put the current directory
+    there) is imported from the current directory, which is appended to ``sys.path``."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.partition(".")[0]
+        here = os.getcwd()
+        if exc.name != top or here in sys.path:
+            raise
+        if not (os.path.isfile(f"{top}.py") or os.path.isfile(os.path.join(top, "__init__.py"))):
+            raise
+        sys.path.append(here)
+        return importlib.import_module(module_name)
+
+
 def _import_factory(path: str, *, shown: str) -> Factory:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ValueError(f"backend {shown!r}: an import path looks like package.module:factory")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_here_too(module_name)
     except ImportError as exc:
         raise ValueError(
-            f"backend {shown!r}: cannot import {module_name!r} ({_first_line(exc)})"
+            f"backend {shown!r}: cannot import {module_name!r} ({_first_line(exc)}; looked on "
+            f"the import path and in the current directory {os.getcwd()}: put the folder that "
+            "holds it on PYTHONPATH)"
         ) from None
     except Exception as exc:  # the module's own code failed: any exception, one line
         raise ValueError(
