@@ -33,6 +33,7 @@ from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Capabilities, IterationLog, declare
 from harness.offload.reference import OffloadContext, RaceDelays
+from harness.predict import MEGATRON_MAIN
 from harness.spec import RunSpec, preset
 from harness.train import TrainResult, train
 
@@ -144,11 +145,13 @@ _malformed.capabilities = {"race_delays": True}  # type: ignore[attr-defined]
 def test_capability_records() -> None:
     reference = capabilities("reference")
     assert reference is OffloadContext.capabilities and reference.race_delays
-    assert reference.semantics is None and reference.unavailable is None
+    assert reference.semantics is MEGATRON_MAIN and reference.unavailable is None
     assert not capabilities("none").race_delays and not capabilities("hooks").race_delays
     for entry in broken.CATALOGUE:  # the reference's record with the catalogue's description
         record = capabilities(entry.name)
-        assert record == Capabilities(description=describe(entry.name), race_delays=True)
+        assert record == Capabilities(
+            description=describe(entry.name), semantics=MEGATRON_MAIN, race_delays=True
+        )
         assert capabilities(f"{entry.name}+delays") == record  # +delays keeps the record
     assert capabilities(f"{__name__}:_undeclared") is UNDECLARED == Capabilities()
     with pytest.raises(ValueError, match="apply to the reference"):

@@ -111,16 +111,29 @@ def test_save_on_cpu_moves_exactly_what_its_declaration_predicts() -> None:
     }, judgement.problems
 
 
-def test_save_on_cpu_layout_change_breaks_bitwise_bf16_on_cpu() -> None:
-    """A finding, kept as a regression: ``save_on_cpu`` packs into ``torch.empty(size)`` (the
-    strides of a saved view are dropped) and on a CPU device hands that copy back, so bf16
-    backward kernels see contiguous tensors where the baseline's were strided and round
-    differently. Its transfers are still exact."""
+def test_save_on_cpu_drops_a_saved_views_strides() -> None:
+    """A finding, kept as a regression: ``save_on_cpu`` packs into ``torch.empty(size)``, so a
+    saved non-contiguous view comes back contiguous (on a CPU device its ``.to()`` hands out that
+    copy itself). Backward kernels then see another layout than the baseline's; on the AMD AVX2
+    CI machine 8 of the 21 default bf16 rows differ in the last bits for that reason, on the
+    H200 box's Intel CPU (AVX512-bf16) they do not, so the equivalence verdict of those rows is
+    machine-dependent and is not asserted here."""
+    hooks = torch.autograd.graph.save_on_cpu(pin_memory=True)
+    view = torch.randn(4, 6).t()  # a transposed view, as autograd saves for a linear's weight
+    assert view.stride() == (1, 6)
+    back = hooks.unpack_hook(hooks.pack_hook(view))
+    assert torch.equal(back, view)
+    assert back.stride() == (4, 1), "the view comes back contiguous"
+
+
+def test_save_on_cpu_bf16_row_moves_exactly_its_prediction() -> None:
     judgement = _judge("save-on-cpu", BF16_ROW)
     statuses = _statuses(judgement)
-    assert statuses["transfers"] == statuses["fidelity"] == "pass", judgement.problems
-    assert statuses["equivalence"] == "fail"
-    assert any("transport corruption" in p for p in judgement.problems), judgement.problems
+    assert statuses["transfers"] == statuses["fidelity"] == statuses["disabled"] == "pass", (
+        judgement.problems
+    )
+    if statuses["equivalence"] == "fail":  # the layout finding above, where the CPU shows it
+        assert any("transport corruption" in p for p in judgement.problems), judgement.problems
 
 
 def test_reference_counts_by_its_ranges_and_the_windows_agree() -> None:

@@ -328,10 +328,17 @@ def _import_factory(path: str, *, shown: str) -> Factory:
     try:
         module = _import_here_too(module_name)
     except ImportError as exc:
+        missing_itself = (
+            isinstance(exc, ModuleNotFoundError) and exc.name == module_name.partition(".")[0]
+        )
+        where = (
+            f"; looked on the import path and in the current directory {os.getcwd()}: put the "
+            "folder that holds it on PYTHONPATH"
+            if missing_itself
+            else ""
+        )
         raise ValueError(
-            f"backend {shown!r}: cannot import {module_name!r} ({_first_line(exc)}; looked on "
-            f"the import path and in the current directory {os.getcwd()}: put the folder that "
-            "holds it on PYTHONPATH)"
+            f"backend {shown!r}: cannot import {module_name!r} ({_first_line(exc)}{where})"
         ) from None
     except Exception as exc:  # the module's own code failed: any exception, one line
         raise ValueError(
