@@ -23,8 +23,12 @@ An offloader under test needs no cooperation (no profiler ranges of its own). Tw
       Casts, ``clone`` (``.contiguous()``) and copies outside windows are never counted.
 
 How a copy is attributed to a group occurrence
-    D2H: the window open when the copy was issued; none open is ``outside`` (reported by the
-    transfer check, never dropped). H2D: the group whose D2H wrote the host memory it reads
+    D2H: the group that saved its source (the wrapper swaps the pack hook the offloader pushes
+    inside a group for one that notes each saved tensor's storage, and what the pack hook makes
+    from it, e.g. a ``.contiguous()`` copy, then calls the offloader's), so a D2H the offloader
+    issues after the group's window closed (at the next group's start, say) is still its group's;
+    else the window open when the copy was issued; else ``outside`` (reported by the transfer
+    check, never dropped). H2D: the group whose D2H wrote the host memory it reads
     (the last D2H into that address), so a prefetch issued during another group's backward is
     still the prefetched group's; an H2D from memory no observed D2H wrote is ``outside``.
     Bytes are the destination's ``numel * element_size``.
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +73,10 @@ class _WindowState:
         self.lock = threading.Lock()
         self.microbatch = 0
         self.open: list[GroupKey] = []
+        self.observer: CopyObserver | None = None
+        """The observer of the step running now (None: the step is not observed)."""
+        self.packing: GroupKey | None = None
+        """The group whose saved-tensor pack hook runs now."""
 
     def current(self) -> GroupKey | None:
         with self.lock:
@@ -86,8 +95,35 @@ class _WindowGroup:
         return self.inner.input
 
     def __enter__(self) -> _WindowGroup:
+        hooks = torch._C._autograd
+        below = hooks._top_saved_tensors_default_hooks(False)
         self.inner.__enter__()
+        if self.state.observer is None:
+            return self
+        pushed = hooks._top_saved_tensors_default_hooks(False)
+        if pushed is not None and (below is None or pushed[0] is not below[0]):
+            # Learn what the group saves: swap the pack hook the offloader pushed for one that
+            # notes each saved tensor's storage, then calls it (its own __exit__ pops the top
+            # pair, so the stack stays balanced).
+            pack, unpack = pushed
+            hooks._pop_saved_tensors_default_hooks()
+            hooks._push_saved_tensors_default_hooks(self._noting(pack), unpack)
         return self
+
+    def _noting(self, pack: Any) -> Any:
+        state, key = self.state, self.key
+
+        def noted(tensor: torch.Tensor) -> Any:
+            observer = state.observer
+            if observer is not None:
+                observer.saved_by(tensor, key)
+            previous, state.packing = state.packing, key
+            try:
+                return pack(tensor)
+            finally:
+                state.packing = previous
+
+        return noted
 
     def __exit__(
         self,
@@ -124,6 +160,12 @@ class Windowed(Wrapper):
     def begin_microbatch(self, microbatch: int) -> None:
         self.state.microbatch = microbatch
         self.inner.begin_microbatch(microbatch)
+
+    def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
+        observer = self.state.observer
+        if observer is not None:
+            observer.mark(tensors)
+        self.inner.mark_not_offloadable(*tensors)
 
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
         key = (self.state.microbatch, layer, name)
@@ -180,6 +222,10 @@ class Observed:
         return [c for c in self.copies if c.group is None]
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -199,7 +245,35 @@ class CopyObserver(TorchDispatchMode):
         """Every host storage a D2H wrote, held until the step ends: no address a D2H wrote
         can be freed and reused by another tensor while the step is observed (host memory
         only; device memory and what the offloader frees are untouched)."""
+        self.saved: dict[int, tuple[GroupKey, weakref.ref[torch.Tensor]]] = {}
+        """Device storage -> the group that saved it (or made it inside its pack hook, e.g. a
+        ``.contiguous()`` copy), so a D2H issued after its group's window closed is still that
+        group's. An entry counts only while that tensor lives: a storage address freed and reused
+        by another tensor (the runner's loss, FSDP2's buffers) is never mistaken for it."""
+        self.marked: dict[int, weakref.ref[torch.Tensor]] = {}
+        """Device storages the model marked not-offloadable (parameters): never saved-by."""
         self.lock = threading.Lock()
+
+    def _saved_group(self, tensor: torch.Tensor) -> GroupKey | None:
+        entry = self.saved.get(_storage(tensor))
+        return entry[0] if entry is not None and entry[1]() is not None else None
+
+    def mark(self, tensors: Sequence[torch.Tensor]) -> None:
+        with self.lock:
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    self.marked[_storage(t)] = weakref.ref(t)
+
+    def _is_marked(self, tensor: torch.Tensor) -> bool:
+        ref = self.marked.get(_storage(tensor))
+        return ref is not None and ref() is not None
+
+    def saved_by(self, tensor: torch.Tensor, group: GroupKey) -> None:
+        """``group``'s pack hook received ``tensor``."""
+        if isinstance(tensor, torch.Tensor):
+            with self.lock:
+                if not self._is_marked(tensor):
+                    self.saved[_storage(tensor)] = (group, weakref.ref(tensor))
 
     def __torch_dispatch__(
         self,
@@ -210,6 +284,13 @@ class CopyObserver(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        packing = self.state.packing
+        if packing is not None:  # what a pack hook makes from a saved tensor is that group's
+            for made in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(made, torch.Tensor) and made.device.type != "meta":
+                    with self.lock:
+                        if self._saved_group(made) is None and not self._is_marked(made):
+                            self.saved[_storage(made)] = (packing, weakref.ref(made))
         op = _COPY_OPS.get(func)
         if op is not None:
             try:
@@ -225,8 +306,8 @@ class CopyObserver(TorchDispatchMode):
             self._note_host(op, src, dst)
             return
         if src.device.type == "cuda" and dst.device.type == "cpu":
-            group = self.state.current()
             with self.lock:
+                group = self._saved_group(src) or self.state.current()
                 if group is not None:
                     self._wrote(dst, group)
                 self._add("d2h", op, dst, group, not dst.is_pinned())
@@ -245,9 +326,9 @@ class CopyObserver(TorchDispatchMode):
             if source_group is not None:  # reading back a host copy
                 self._add("h2d", op, dst, source_group, False)
                 return
-            group = self.state.current()
+            group = self._saved_group(src) or self.state.current()
             if group is None:
-                return  # a host copy outside every group window is the model's or runner's
+                return  # a host copy of no saved tensor, outside every window: not an offload
             self._wrote(dst, group)
             self._add("d2h", op, dst, group, False)
 
@@ -284,6 +365,10 @@ def observe(offloader: Offloader, device: torch.device, sink: list[Observed]) ->
     if not isinstance(offloader, Windowed):
         raise TypeError("observe() needs the run's offloader wrapped in harness.observe.Windowed")
     mode = CopyObserver(offloader.state, device)
-    with mode:
-        yield
+    offloader.state.observer = mode
+    try:
+        with mode:
+            yield
+    finally:
+        offloader.state.observer = None
     sink.append(mode.observed)

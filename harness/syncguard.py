@@ -113,6 +113,8 @@ class SyncGuard:
         self._stack: list[str] = []
         self._explicit: list[str] = []
         self._previous_mode = 0
+        self.last_error: HostSyncError | None = None
+        """The last sync a window detected (until ``reset``), for ``explain``."""
         if self.cuda:
             _install_trace()
 
@@ -143,7 +145,8 @@ class SyncGuard:
         self._disarm_detectors()
         if self._explicit:
             found, self._explicit = self._explicit, []
-            raise HostSyncError(f"{where}: host synchronisation: {'; '.join(found)}")
+            self.last_error = HostSyncError(f"{where}: host synchronisation: {'; '.join(found)}")
+            raise self.last_error
 
     @contextlib.contextmanager
     def window(self, kind: str, where: str) -> Iterator[None]:
@@ -157,7 +160,8 @@ class SyncGuard:
             raise
         except RuntimeError as exc:
             if SYNC_MESSAGE in str(exc):
-                raise HostSyncError(f"{where}: {_first_line(exc)}") from exc
+                self.last_error = HostSyncError(f"{where}: {_first_line(exc)}")
+                raise self.last_error from exc
             raise
         finally:
             if self._stack and self._stack[-1] == where:
@@ -169,6 +173,14 @@ class SyncGuard:
         if isinstance(exc, RuntimeError) and not isinstance(exc, HostSyncError):
             if SYNC_MESSAGE in str(exc):
                 return HostSyncError(f"{self.current or 'outside any window'}: {_first_line(exc)}")
+        if isinstance(exc, Exception) and not isinstance(exc, HostSyncError) and self.last_error:
+            # A sync detected inside a saved-tensor hook that autograd called from C++ can reach
+            # the runner as another error (``SystemError: ... returned NULL without setting an
+            # exception``): PyTorch loses it on the way out. The detection itself is recorded.
+            return HostSyncError(
+                f"{self.last_error} (it reached the runner as {type(exc).__name__}: "
+                f"{_first_line(exc)})"
+            )
         return exc
 
     def reset(self) -> None:
@@ -177,6 +189,7 @@ class SyncGuard:
             self._stack.clear()
             self._disarm_detectors()
         self._explicit.clear()
+        self.last_error = None
 
     def _disarm_detectors(self) -> None:
         if self.cuda:

@@ -217,3 +217,79 @@ def test_observer_outside_every_window_on_cuda_is_reported() -> None:
         x.cpu()
     assert len(seen[0].outside()) == 1 and seen[0].counts("device").unattributed["d2h"].copies == 1
     assert isinstance(CopyObserver(off.state, device), CopyObserver)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("examples_importable")
+def test_pageable_variant_fails_sync_and_transfers_naming_the_group_on_cuda() -> None:
+    """Pageable host memory makes each copy synchronous: the sync check names the hook and the
+    group, and the transfer check the group occurrences that used pageable memory."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    env = Environment(device=torch.device("cuda"), backend="my_offloader_broken:Pageable")
+    judgement = judge(ROW, env, checks=("transfers", "sync"))
+    transfers, sync = judgement.outcomes
+    assert transfers.status == sync.status == "fail", judgement.problems
+    assert any(
+        re.search(r"used pageable host memory, in core_attn \(microbatch 0, layer 0\)", p)
+        for p in transfers.problems
+    ), transfers.problems
+    assert any(
+        re.search(r"group core_attn \(layer \d\): (pack|unpack)", p) for p in sync.problems
+    ), sync.problems
+
+
+def delayed_factory(config: OffloadConfig, device: torch.device):
+    """An offloader that copies a group's tensors out only when the next group starts (as
+    TransformerEngine's layer offloading does), or in backward for the last one."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from my_offloader import MyOffloader
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+    class Delayed(MyOffloader):
+        name = "delayed"
+
+        def __init__(self, config, device):
+            super().__init__(config, device)
+            self.pending: list[list] = []
+
+        def pack(self, t):
+            weights = {w.untyped_storage().data_ptr() for w in self.weights}
+            if t.device != self.device or t.untyped_storage().data_ptr() in weights:
+                return t  # the example's rule
+            handle = [t, None]
+            self.pending.append(handle)
+            return handle
+
+        def flush(self):
+            for handle in self.pending:
+                handle[1] = torch.empty(handle[0].shape, dtype=handle[0].dtype).copy_(handle[0])
+                handle[0] = None
+            self.pending = []
+
+        def unpack(self, packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            self.flush()
+            host = packed[1]
+            return torch.empty(host.shape, dtype=host.dtype, device=self.device).copy_(host)
+
+        def group(self, name, x, *, layer):
+            self.flush()  # the previous group's D2H, issued inside this group's window
+            return super().group(name, x, layer=layer)
+
+    return Delayed(config, device)
+
+
+@pytest.mark.usefixtures("examples_importable")
+def test_a_d2h_issued_in_the_next_groups_window_counts_for_the_group_that_saved_it() -> None:
+    from harness.execute import run_case
+
+    backend = f"{__name__}:delayed_factory"
+    res = run_case(ROW, Environment(device=CPU, backend=backend))
+    assert res.attribution is not None and res.attribution.source == "harness windows"
+    example = run_case(ROW, Environment(device=CPU, backend="my_offloader:MyOffloader"))
+    assert res.measured == example.measured, "the same copies, each for its own group"
+    assert res.attribution.outside == (0, 0)
