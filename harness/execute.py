@@ -148,6 +148,7 @@ def attribute(sink: list[TransferCounts], seen: list[Observed], cuda: bool) -> A
         windows=windows,
         profiled=profiled,
         outside=outside,
+        pageable_groups=pageable,
     )
 
 

@@ -221,22 +221,19 @@ def test_observer_outside_every_window_on_cuda_is_reported() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("examples_importable")
-def test_pageable_variant_fails_sync_and_transfers_naming_the_group_on_cuda() -> None:
-    """Pageable host memory makes each copy synchronous: the sync check names the hook and the
-    group, and the transfer check the group occurrences that used pageable memory."""
+def test_pageable_variant_fails_transfers_naming_the_groups_on_cuda() -> None:
+    """Pageable host memory: the transfer check names the group occurrences that used it."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     env = Environment(device=torch.device("cuda"), backend="my_offloader_broken:Pageable")
-    judgement = judge(ROW, env, checks=("transfers", "sync"))
-    transfers, sync = judgement.outcomes
-    assert transfers.status == sync.status == "fail", judgement.problems
+    (transfers,) = judge(ROW, env, checks=("transfers",)).outcomes
+    assert transfers.status == "fail", transfers.problems
     assert any(
-        re.search(r"used pageable host memory, in core_attn \(microbatch 0, layer 0\)", p)
+        re.search(
+            r"used pageable host memory, in attn_proj \(microbatch 0, layer 0\), core_attn", p
+        )
         for p in transfers.problems
     ), transfers.problems
-    assert any(
-        re.search(r"group core_attn \(layer \d\): (pack|unpack)", p) for p in sync.problems
-    ), sync.problems
 
 
 def delayed_factory(config: OffloadConfig, device: torch.device):
