@@ -45,7 +45,7 @@ class MyOffloader:
 
     def pack(self, t):  # forward: copy out (to pinned host memory on CUDA)
         weights = {w.untyped_storage().data_ptr() for w in self.weights}  # where they live now
-        if t.device != self.device or t.untyped_storage().data_ptr() in weights:
+        if t.device.type != self.device.type or t.untyped_storage().data_ptr() in weights:
             return t  # not an activation on our device: it stays
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
         return t.device, host.copy_(t, non_blocking=t.is_cuda)

@@ -51,7 +51,7 @@ class Pageable(MyOffloader):
     name = "my-offloader.pageable"
 
     def pack(self, t):
-        if t.device != self.device or t.untyped_storage().data_ptr() in {
+        if t.device.type != self.device.type or t.untyped_storage().data_ptr() in {
             w.untyped_storage().data_ptr() for w in self.weights
         }:
             return t

@@ -336,6 +336,8 @@ class GuardedRun:
     """The backend's own per-iteration log ([] if it keeps none)."""
     losses: torch.Tensor | None = None
     """[steps, microbatches] losses of the run."""
+    observed_d2h: int | None = None
+    """D2H copies the harness's copy observer saw in the guarded steps (None: not observed)."""
 
     def problems(self) -> list[str]:
         """Why the run does not prove anything (the guard never saw the offloader work)."""
@@ -348,6 +350,12 @@ class GuardedRun:
             out.append(
                 f"the backend's log shows no D2H bytes in the guarded steps {self.guarded_steps}: "
                 "nothing was offloaded, so the guard proved nothing"
+            )
+        elif not logged and self.observed_d2h == 0:
+            out.append(
+                f"the harness's copy observer saw no D2H copy in the guarded steps "
+                f"{self.guarded_steps} (the backend keeps no log): nothing was offloaded, so the "
+                "guard proved nothing"
             )
         return out
 
@@ -389,14 +397,27 @@ def run_guarded(
     pool allocations), the optimizer's state allocation and the caching allocator's growth all
     happen there, so that a guarded step is a steady-state step.
     """
+    from harness.observe import Observed, Windowed, observe
+
     guard = guard or SyncGuard(device)
+    windowed = Windowed(offloader)
+    seen: list[Observed] = []
+    arm = guarded_steps_hooks(guard, guarded)
+
+    def context(step: int) -> contextlib.AbstractContextManager[object]:
+        stack = contextlib.ExitStack()
+        if step in guarded:  # proves the offload happened where the guard looked
+            stack.enter_context(observe(windowed, torch.device(device), seen))
+        stack.enter_context(arm(step))
+        return stack
+
     try:
         result = train(
             spec,
             run,
-            GuardedOffloader(offloader, guard),
+            GuardedOffloader(windowed, guard),
             device,
-            hooks=RunHooks(step_context=guarded_steps_hooks(guard, guarded)),
+            hooks=RunHooks(step_context=context),
         )
     finally:
         guard.reset()
@@ -405,4 +426,5 @@ def run_guarded(
         windows=guard.windows,
         logs=result.logs,
         losses=result.losses,
+        observed_d2h=sum(c.direction == "d2h" for o in seen for c in o.copies),
     )

@@ -91,3 +91,15 @@ def _expect_named(fault: str, phase: str, *, error: bool) -> None:
     assert message.startswith("step 1, microbatch "), message
     assert f"): {phase}:" in message, message
     assert guard.current is None and not guard.armed
+
+
+def test_a_guarded_run_of_a_logless_backend_that_moved_nothing_proves_nothing() -> None:
+    """Without a log, the copy observer must have seen a D2H in the guarded steps."""
+    from collections import Counter
+
+    from harness.syncguard import GuardedRun
+
+    windows = Counter(start=3, commit=3)
+    idle = GuardedRun(guarded_steps=(2,), windows=windows, observed_d2h=0)
+    assert any("copy observer saw no D2H copy" in p for p in idle.problems()), idle.problems()
+    assert GuardedRun(guarded_steps=(2,), windows=windows, observed_d2h=4).problems() == []

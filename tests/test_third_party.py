@@ -254,7 +254,7 @@ def delayed_factory(config: OffloadConfig, device: torch.device):
 
         def pack(self, t):
             weights = {w.untyped_storage().data_ptr() for w in self.weights}
-            if t.device != self.device or t.untyped_storage().data_ptr() in weights:
+            if t.device.type != self.device.type or t.untyped_storage().data_ptr() in weights:
                 return t  # the example's rule
             handle = [t, None]
             self.pending.append(handle)
