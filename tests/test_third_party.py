@@ -290,3 +290,12 @@ def test_a_d2h_issued_in_the_next_groups_window_counts_for_the_group_that_saved_
     example = run_case(ROW, Environment(device=CPU, backend="my_offloader:MyOffloader"))
     assert res.measured == example.measured, "the same copies, each for its own group"
     assert res.attribution.outside == (0, 0)
+
+
+def test_te_backend_says_why_it_cannot_run_on_cpu() -> None:
+    from harness.offload.backends import backend_unavailable, describe
+
+    assert (
+        backend_unavailable("te", CPU) == "TransformerEngine's CPU offloading needs a CUDA device"
+    )
+    assert "get_cpu_offload_context" in describe("te")

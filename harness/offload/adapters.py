@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from harness.offload.config import OffloadConfig
-from harness.offload.passthrough import PassThroughGroup
+from harness.offload.passthrough import PassThroughGroup, apply_to_first
 from harness.offload.protocol import Capabilities, IterationLog, Output
 from harness.predict import Semantics
 
@@ -84,6 +84,116 @@ class SaveOnCpu:
 
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
         return None  # save_on_cpu has no such notion
+
+    def end_iteration(self) -> None:
+        return None
+
+    def set_enabled(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def iteration_logs(self) -> list[IterationLog]:
+        return []
+
+    def close(self) -> None:
+        return None
+
+
+# ------------------------------------------------------------------ TransformerEngine's offload
+def _te_unavailable(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "TransformerEngine's CPU offloading needs a CUDA device"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # not installed, or its extension does not load
+        return f"transformer_engine.pytorch does not import ({type(exc).__name__}: {exc})"
+    return None
+
+
+class _TeGroup:
+    """One selected group occurrence as one of TransformerEngine's offload "layers"."""
+
+    def __init__(self, off: TeCpuOffload, x: torch.Tensor) -> None:
+        self.off, self.input = off, x
+
+    def __enter__(self) -> _TeGroup:
+        self.off.context.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.off.context.__exit__(exc_type, exc, tb)
+
+    def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
+        return apply_to_first(output, self.off.synchronize)
+
+
+class TeCpuOffload:
+    """Backend ``te``: TransformerEngine's ``get_cpu_offload_context``, each selected group
+    occurrence of a microbatch's forward one of its "layers" (its context entered with the
+    group, its synchronisation function applied to the group's output). It needs the number of
+    layers up front and never offloads the last one, so the first microbatch of the first
+    iteration only counts the selected occurrences; from then on ``num_layers = count - 1``.
+    ``NVTE_CPU_OFFLOAD_V1=1`` in the environment selects its older implementation. It declares
+    no semantics: its policies (the last layer kept, the first microbatch not offloaded, its
+    2**20-element size threshold in the newer implementation) are not in ``Semantics``, so the
+    simplest model predicts it and the transfer check's differences are the findings."""
+
+    name = "te"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        description="TransformerEngine's get_cpu_offload_context, one selected group per layer",
+        unavailable=_te_unavailable,
+    )
+
+    def __init__(self, config: OffloadConfig, device: Any = None) -> None:
+        self.selected = frozenset(config.offload_modules)
+        self.enabled = True
+        self.counted = 0
+        self.layers: int | None = None
+        self.context: Any = None
+        self.synchronize: Any = None
+
+    def begin_microbatch(self, microbatch: int) -> None:
+        if self.layers is None and self.counted:
+            self.layers = self.counted
+            if self.layers >= 2:
+                import inspect
+
+                from transformer_engine.pytorch import get_cpu_offload_context
+
+                wanted = dict(
+                    enabled=True,
+                    num_layers=self.layers - 1,
+                    model_layers=self.layers,
+                    offload_activations=True,
+                    offload_weights=False,
+                )
+                accepted = inspect.signature(get_cpu_offload_context).parameters
+                self.context, self.synchronize = get_cpu_offload_context(
+                    **{k: v for k, v in wanted.items() if k in accepted}
+                )
+
+    def group(self, name: str, x: torch.Tensor, *, layer: int) -> _TeGroup | PassThroughGroup:
+        if not self.enabled or name not in self.selected or not torch.is_grad_enabled():
+            return PassThroughGroup(x)  # a no-grad pass saves nothing (and TE's sync needs grad)
+        if self.layers is None:
+            self.counted += 1
+            return PassThroughGroup(x)
+        if self.context is None:
+            return PassThroughGroup(x)
+        return _TeGroup(self, x)
+
+    def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
+        if self.context is None:
+            return
+        try:
+            from transformer_engine.pytorch.cpu_offload import mark_is_weight
+        except ImportError:  # an implementation without it skips Parameter objects only
+            return
+        mark_is_weight(*tensors)
 
     def end_iteration(self) -> None:
         return None

@@ -59,6 +59,7 @@ EXTRA: dict[str, str] = {
     "mcore": "harness.offload.mcore:McoreOffloader",
     "mcore.inline-wait": "harness.offload.mcore:with_inline_reload_wait",
     "save-on-cpu": "harness.offload.adapters:SaveOnCpu",
+    "te": "harness.offload.adapters:TeCpuOffload",
 }
 """Further named backends provided by optional modules: name -> ``module:factory``. ``mcore``
 drives megatron-core's own offloader (CUDA and the ``mcore`` extra); ``mcore.inline-wait`` adds
