@@ -43,10 +43,13 @@ class MyOffloader:
         self.selected, self.device = set(config.offload_modules), device
         self.enabled, self.weights = True, []
 
+    def stays(self, t):  # not an activation on our device (the weights: where they live now)
+        weights = {w.untyped_storage().data_ptr() for w in self.weights}
+        return t.device.type != self.device.type or t.untyped_storage().data_ptr() in weights
+
     def pack(self, t):  # forward: copy out (to pinned host memory on CUDA)
-        weights = {w.untyped_storage().data_ptr() for w in self.weights}  # where they live now
-        if t.device.type != self.device.type or t.untyped_storage().data_ptr() in weights:
-            return t  # not an activation on our device: it stays
+        if self.stays(t):
+            return t
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
         return t.device, host.copy_(t, non_blocking=t.is_cuda)
 

@@ -69,11 +69,12 @@ def _store(client: str = "main") -> dist.Store:
     return _CLIENTS[client]
 
 
-def mark_arrived(tag: str) -> None:
+def mark_arrived(tag: str, value: str = "1") -> None:
     """Note in the process group's store that this rank reached ``tag`` (e.g. the barrier
-    after a test), so a rank that waits there can later name the ones that never came."""
+    after a test), with ``value`` for the others to read (``gather_arrivals``), so a rank that
+    waits there can later name the ones that never came."""
     if world_size() > 1:
-        _store().set(f"arrived/{tag}/{rank()}", "1")
+        _store().set(f"arrived/{tag}/{rank()}", value)
 
 
 def missing_ranks(tag: str, client: str = "watch") -> list[int]:
@@ -89,20 +90,14 @@ def missing_ranks(tag: str, client: str = "watch") -> list[int]:
         return []
 
 
-def post(tag: str, value: str) -> None:
-    """Publish this rank's ``value`` under ``tag`` in the store (nothing without a group)."""
-    if world_size() > 1:
-        _store().set(f"post/{tag}/{rank()}", value)
-
-
-def gather_posts(tag: str, timeout: datetime.timedelta) -> list[str]:
-    """Every rank's ``post`` under ``tag``, waiting up to ``timeout`` for the missing ones. A
-    store rendezvous, not a collective: a rank stuck in a collective elsewhere is not matched
-    against it. Raises ``RuntimeError`` (``DistStoreError``) past the timeout."""
+def gather_arrivals(tag: str, timeout: datetime.timedelta) -> list[str]:
+    """Every rank's ``mark_arrived`` value under ``tag``, waiting up to ``timeout`` for the
+    missing ones. A store rendezvous, not a collective: a rank stuck in a collective elsewhere
+    is not matched against it. Raises ``RuntimeError`` (``DistStoreError``) past the timeout."""
     if world_size() == 1:
         return []
     store = _store()
-    keys = [f"post/{tag}/{r}" for r in range(world_size())]
+    keys = [f"arrived/{tag}/{r}" for r in range(world_size())]
     store.wait(keys, timeout)
     return [store.get(key).decode("utf-8", "replace") for key in keys]
 

@@ -131,20 +131,11 @@ def attribute(sink: list[TransferCounts], seen: list[Observed], cuda: bool) -> A
     profiled = (sink[0], sink[-1])
     outside = (len(seen[0].outside()), len(seen[-1].outside()))
     pageable = tuple(sorted({c.group for c in seen[-1].copies if c.pageable and c.group}))
-    if any(c.by_range for c in profiled):
-        return Attribution(
-            source="offloader ranges",
-            warmup=sink[0],
-            final=sink[-1],
-            windows=windows,
-            profiled=profiled,
-            outside=outside,
-            pageable_groups=pageable,
-        )
+    ranged = any(c.by_range for c in profiled)
     return Attribution(
-        source="harness windows",
-        warmup=windows[0],
-        final=windows[1],
+        source="offloader ranges" if ranged else "harness windows",
+        warmup=profiled[0] if ranged else windows[0],
+        final=profiled[1] if ranged else windows[1],
         windows=windows,
         profiled=profiled,
         outside=outside,

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
+from harness.observe import Observed, Windowed, observe
 from harness.offload.protocol import Group, IterationLog, Offloader, Output, Wrapper
 from harness.spec import ModelSpec, RunSpec
 from harness.train import RunHooks, train
@@ -397,8 +398,6 @@ def run_guarded(
     pool allocations), the optimizer's state allocation and the caching allocator's growth all
     happen there, so that a guarded step is a steady-state step.
     """
-    from harness.observe import Observed, Windowed, observe
-
     guard = guard or SyncGuard(device)
     windowed = Windowed(offloader)
     seen: list[Observed] = []

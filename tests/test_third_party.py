@@ -147,14 +147,19 @@ def test_reference_counts_by_its_ranges_and_the_windows_agree() -> None:
     assert attribution_mismatches(res, ROW.steps - 1) == []
 
 
-def undeclared_factory(config: OffloadConfig, device: torch.device):
-    """The example's offloader behind a plain function: no capabilities record."""
+def _example_offloader() -> type:
+    """``examples/my_offloader.MyOffloader``, imported without leaving ``examples`` on the path."""
     sys.path.insert(0, str(EXAMPLES))
     try:
         from my_offloader import MyOffloader
     finally:
         sys.path.remove(str(EXAMPLES))
-    return MyOffloader(config, device)
+    return MyOffloader
+
+
+def undeclared_factory(config: OffloadConfig, device: torch.device):
+    """The example's offloader behind a plain function: no capabilities record."""
+    return _example_offloader()(config, device)
 
 
 def test_undeclared_backend_gets_the_simplest_model_and_the_message_says_so() -> None:
@@ -239,11 +244,7 @@ def test_pageable_variant_fails_transfers_naming_the_groups_on_cuda() -> None:
 def delayed_factory(config: OffloadConfig, device: torch.device):
     """An offloader that copies a group's tensors out only when the next group starts (as
     TransformerEngine's layer offloading does), or in backward for the last one."""
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        from my_offloader import MyOffloader
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    MyOffloader = _example_offloader()
 
     class Delayed(MyOffloader):
         name = "delayed"
@@ -253,9 +254,8 @@ def delayed_factory(config: OffloadConfig, device: torch.device):
             self.pending: list[list] = []
 
         def pack(self, t):
-            weights = {w.untyped_storage().data_ptr() for w in self.weights}
-            if t.device.type != self.device.type or t.untyped_storage().data_ptr() in weights:
-                return t  # the example's rule
+            if self.stays(t):  # the example's rule
+                return t
             handle = [t, None]
             self.pending.append(handle)
             return handle

@@ -15,6 +15,7 @@ what ``save_on_cpu`` does:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, ClassVar
@@ -36,15 +37,16 @@ SAVE_ON_CPU = Semantics(
 )
 
 
-class _SaveOnCpuGroup:
-    """One selected group occurrence: ``save_on_cpu`` lives exactly as long as the group."""
+class ContextGroup:
+    """A selected group occurrence whose saved tensors ``context`` handles: the context (a
+    ``saved_tensors_hooks`` or any context manager) is entered and left with the group, and
+    ``commit`` passes the output through."""
 
-    def __init__(self, x: torch.Tensor) -> None:
-        self.input = x
-        self._hooks = torch.autograd.graph.save_on_cpu(pin_memory=True)
+    def __init__(self, x: torch.Tensor, context: Any) -> None:
+        self.input, self.context = x, context
 
-    def __enter__(self) -> _SaveOnCpuGroup:
-        self._hooks.__enter__()
+    def __enter__(self) -> ContextGroup:
+        self.context.__enter__()
         return self
 
     def __exit__(
@@ -53,37 +55,28 @@ class _SaveOnCpuGroup:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._hooks.__exit__(exc_type, exc, tb)
+        self.context.__exit__(exc_type, exc, tb)
 
     def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
         return output
 
 
-class SaveOnCpu:
-    """Backend ``save-on-cpu``."""
-
-    name = "save-on-cpu"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        description="torch.autograd.graph.save_on_cpu(pin_memory=True) around each selected group",
-        semantics=SAVE_ON_CPU,
-    )
+class _Adapter:
+    """What the adapters share: the selection, enable/disable, no log, nothing to release."""
 
     def __init__(self, config: OffloadConfig, device: Any = None) -> None:
         self.selected = frozenset(config.offload_modules)
         self.enabled = True
 
+    def selects(self, name: str) -> bool:
+        """Whether group ``name`` is offloaded now (a no-grad pass saves nothing)."""
+        return self.enabled and name in self.selected and torch.is_grad_enabled()
+
     def begin_microbatch(self, microbatch: int) -> None:
         return None
 
-    def group(
-        self, name: str, x: torch.Tensor, *, layer: int
-    ) -> _SaveOnCpuGroup | PassThroughGroup:
-        if self.enabled and name in self.selected:
-            return _SaveOnCpuGroup(x)
-        return PassThroughGroup(x)
-
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
-        return None  # save_on_cpu has no such notion
+        return None
 
     def end_iteration(self) -> None:
         return None
@@ -98,6 +91,21 @@ class SaveOnCpu:
         return None
 
 
+class SaveOnCpu(_Adapter):
+    """Backend ``save-on-cpu`` (it has no skip list: ``mark_not_offloadable`` does nothing)."""
+
+    name = "save-on-cpu"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        description="torch.autograd.graph.save_on_cpu(pin_memory=True) around each selected group",
+        semantics=SAVE_ON_CPU,
+    )
+
+    def group(self, name: str, x: torch.Tensor, *, layer: int) -> ContextGroup | PassThroughGroup:
+        if self.selects(name):  # save_on_cpu lives exactly as long as the group
+            return ContextGroup(x, torch.autograd.graph.save_on_cpu(pin_memory=True))
+        return PassThroughGroup(x)
+
+
 # ------------------------------------------------------------------ TransformerEngine's offload
 def _te_unavailable(device: torch.device) -> str | None:
     if device.type != "cuda":
@@ -109,29 +117,19 @@ def _te_unavailable(device: torch.device) -> str | None:
     return None
 
 
-class _TeGroup:
-    """One selected group occurrence as one of TransformerEngine's offload "layers"."""
+class _TeGroup(ContextGroup):
+    """One selected group occurrence as one of TransformerEngine's offload "layers": its
+    context entered with the group, its synchronisation function on the group's output."""
 
-    def __init__(self, off: TeCpuOffload, x: torch.Tensor) -> None:
-        self.off, self.input = off, x
-
-    def __enter__(self) -> _TeGroup:
-        self.off.context.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.off.context.__exit__(exc_type, exc, tb)
+    def __init__(self, x: torch.Tensor, context: Any, synchronize: Any) -> None:
+        super().__init__(x, context)
+        self.synchronize = synchronize
 
     def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
-        return apply_to_first(output, self.off.synchronize)
+        return apply_to_first(output, self.synchronize)
 
 
-class TeCpuOffload:
+class TeCpuOffload(_Adapter):
     """Backend ``te``: TransformerEngine's ``get_cpu_offload_context``, each selected group
     occurrence of a microbatch's forward one of its "layers" (its context entered with the
     group, its synchronisation function applied to the group's output). It needs the number of
@@ -149,8 +147,7 @@ class TeCpuOffload:
     )
 
     def __init__(self, config: OffloadConfig, device: Any = None) -> None:
-        self.selected = frozenset(config.offload_modules)
-        self.enabled = True
+        super().__init__(config, device)
         self.counted = 0
         self.layers: int | None = None
         self.context: Any = None
@@ -160,8 +157,6 @@ class TeCpuOffload:
         if self.layers is None and self.counted:
             self.layers = self.counted
             if self.layers >= 2:
-                import inspect
-
                 from transformer_engine.pytorch import get_cpu_offload_context
 
                 wanted = dict(
@@ -177,14 +172,14 @@ class TeCpuOffload:
                 )
 
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> _TeGroup | PassThroughGroup:
-        if not self.enabled or name not in self.selected or not torch.is_grad_enabled():
-            return PassThroughGroup(x)  # a no-grad pass saves nothing (and TE's sync needs grad)
+        if not self.selects(name):  # (TE's synchronisation function also needs grad)
+            return PassThroughGroup(x)
         if self.layers is None:
             self.counted += 1
             return PassThroughGroup(x)
         if self.context is None:
             return PassThroughGroup(x)
-        return _TeGroup(self, x)
+        return _TeGroup(x, self.context, self.synchronize)
 
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
         if self.context is None:
@@ -194,15 +189,3 @@ class TeCpuOffload:
         except ImportError:  # an implementation without it skips Parameter objects only
             return
         mark_is_weight(*tensors)
-
-    def end_iteration(self) -> None:
-        return None
-
-    def set_enabled(self, enabled: bool) -> None:
-        self.enabled = enabled
-
-    def iteration_logs(self) -> list[IterationLog]:
-        return []
-
-    def close(self) -> None:
-        return None

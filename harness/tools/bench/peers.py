@@ -4,66 +4,51 @@ group (same selection; no side stream, no prefetch, no skip rules), with a per-g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from harness.offload import adapters
 from harness.offload.backends import Factory, resolve_backend
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload, PassThroughGroup
-from harness.offload.protocol import GroupRecord, IterationLog, Output
+from harness.offload.protocol import Capabilities, GroupRecord, IterationLog
 
 VARIANTS = ("baseline", "reference", "mcore", "save_on_cpu")
 
 
-class _SaveOnCpuGroup:
-    """A selected group whose saved tensors go through ``save_on_cpu(pin_memory=True)``."""
+def _counted_save_on_cpu(pin_memory: bool, counts: dict[str, int]) -> Any:
+    """``save_on_cpu(pin_memory=...)`` whose hooks add each copy's bytes to ``counts``."""
+    hooks = torch.autograd.graph.save_on_cpu(pin_memory=pin_memory)
+    pack, unpack = hooks.pack_hook, hooks.unpack_hook
 
-    def __init__(self, owner: SaveOnCpu, x: torch.Tensor, counts: dict[str, int]) -> None:
-        self.input = x
-        self._hooks = torch.autograd.graph.save_on_cpu(pin_memory=owner.cuda)
-        pack, unpack = self._hooks.pack_hook, self._hooks.unpack_hook
+    def counted_pack(tensor: torch.Tensor) -> Any:
+        packed = pack(tensor)
+        counts["d2h_copies"] += 1
+        counts["d2h_bytes"] += packed[1].numel() * packed[1].element_size()
+        return packed
 
-        def counted_pack(tensor: torch.Tensor) -> Any:
-            packed = pack(tensor)
-            counts["d2h_copies"] += 1
-            counts["d2h_bytes"] += packed[1].numel() * packed[1].element_size()
-            return packed
+    def counted_unpack(packed: Any) -> torch.Tensor:
+        counts["h2d_copies"] += 1
+        counts["h2d_bytes"] += packed[1].numel() * packed[1].element_size()
+        return unpack(packed)
 
-        def counted_unpack(packed: Any) -> torch.Tensor:
-            counts["h2d_copies"] += 1
-            counts["h2d_bytes"] += packed[1].numel() * packed[1].element_size()
-            return unpack(packed)
-
-        self._hooks.pack_hook, self._hooks.unpack_hook = counted_pack, counted_unpack
-
-    def __enter__(self) -> _SaveOnCpuGroup:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._hooks.__exit__(exc_type, exc, tb)
-
-    def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
-        return output  # save_on_cpu frees nothing early: autograd holds only the host copies
+    hooks.pack_hook, hooks.unpack_hook = counted_pack, counted_unpack
+    return hooks
 
 
-class SaveOnCpu:
-    """Backend-shaped peer: ``save_on_cpu`` around each selected group, per-group byte log."""
+class SaveOnCpu(adapters.SaveOnCpu):
+    """Backend-shaped peer: the ``save-on-cpu`` adapter (pinned only on CUDA) with a per-group
+    byte log. ``save_on_cpu`` frees nothing early: autograd holds only the host copies."""
 
     name = "save_on_cpu"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        description="the bench's save_on_cpu peer, pinned on CUDA only (not a registered backend)"
+    )
 
     def __init__(self, config: OffloadConfig, device: torch.device) -> None:
-        self.selected = frozenset(config.offload_modules)
+        super().__init__(config, device)
         self.cuda = torch.device(device).type == "cuda"
-        self.enabled = True
         self._microbatch = 0
         self._counts: dict[tuple[int, int, str], dict[str, int]] = {}
         self._logs: list[IterationLog] = []
@@ -73,15 +58,12 @@ class SaveOnCpu:
 
     def group(
         self, name: str, x: torch.Tensor, *, layer: int
-    ) -> _SaveOnCpuGroup | PassThroughGroup:
-        if not self.enabled or name not in self.selected or not torch.is_grad_enabled():
+    ) -> adapters.ContextGroup | PassThroughGroup:
+        if not self.selects(name):
             return PassThroughGroup(x)
         zero = dict.fromkeys(("d2h_copies", "d2h_bytes", "h2d_copies", "h2d_bytes"), 0)
         counts = self._counts.setdefault((self._microbatch, layer, name), zero)
-        return _SaveOnCpuGroup(self, x, counts)
-
-    def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
-        return None  # save_on_cpu has no skip list: parameters saved in a group are copied too
+        return adapters.ContextGroup(x, _counted_save_on_cpu(self.cuda, counts))
 
     def end_iteration(self) -> None:
         records = tuple(
@@ -97,9 +79,6 @@ class SaveOnCpu:
         )
         self._logs.append(IterationLog(iteration=len(self._logs), warmup=False, groups=records))
         self._counts = {}
-
-    def set_enabled(self, enabled: bool) -> None:
-        self.enabled = bool(enabled)
 
     def iteration_logs(self) -> list[IterationLog]:
         return list(self._logs)
