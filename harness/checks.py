@@ -52,7 +52,7 @@ def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str
         problems.append(f"final weights differ first at {name} (max |diff| {diff:.3e})")
     if problems:
         problems.append(suspect_groups(case, res))
-        problems.append(loss_table(res.plain.losses, res.offload.losses))
+        problems.append(loss_table(res.baseline.losses, res.offload.losses))
         problems.append(repro_hint(case, env))
     return problems
 
@@ -60,7 +60,7 @@ def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str
 def suspect_groups(case: Case, res: CaseRun) -> str:
     """The groups offloaded in the first step whose gradients or losses differ, per microbatch:
     a corrupted reload shows in that step's gradients (its losses diverge one step later)."""
-    loss = first_divergence(res.plain.losses, res.offload.losses, case.tolerance)
+    loss = first_divergence(res.baseline.losses, res.offload.losses, case.tolerance)
     known = [loss.step] if loss is not None else []
     if res.grad_difference is not None:
         known.append(res.grad_difference[0])

@@ -161,3 +161,32 @@ def verdict(
         message=f"transport corruption: hooks baseline equals plain but offload differs; "
         f"first divergence at {divergence}",
     )
+
+
+def layout_verdict(
+    plain: torch.Tensor, layout: torch.Tensor, offload: torch.Tensor, tolerance: float
+) -> Verdict:
+    """Classify an offload run whose backend declares contiguous reloads against the layout
+    baseline (``harness.offload.layout``); the layout change's own effect on the plain baseline
+    is stated, not judged."""
+    effect = first_divergence(plain, layout, tolerance)
+    said = (
+        "the layout change alone leaves every loss bitwise equal to the plain baseline's"
+        if effect is None
+        else f"the layout change alone first moves the plain baseline's loss at {effect}"
+    )
+    divergence = first_divergence(layout, offload, tolerance)
+    if divergence is None:
+        return Verdict(
+            ok=True,
+            kind="pass",
+            message="offload matches the layout baseline (the declared contiguous reloads made "
+            f"on the device, nothing moved); {said}",
+        )
+    return Verdict(
+        ok=False,
+        kind="transport",
+        message="transport corruption: offload differs from the layout baseline (the declared "
+        f"contiguous reloads made on the device, nothing moved); first divergence at "
+        f"{divergence}; {said}",
+    )

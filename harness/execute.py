@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 from harness.cases import Case
-from harness.compare import Verdict, first_tensor_difference, verdict
+from harness.compare import Verdict, first_tensor_difference, layout_verdict, verdict
 from harness.observe import Observed, Windowed, observe
 from harness.offload.backends import capabilities, resolve_backend
 from harness.offload.config import OffloadConfig
+from harness.offload.layout import LayoutBaseline
 from harness.offload.passthrough import NoOffload
-from harness.offload.protocol import GroupRecord, Offloader
+from harness.offload.protocol import GroupRecord, Offloader, plan_of
 from harness.offload.recorder import GroupObservation, RecordingOffloader
 from harness.predict import (
     MEGATRON_MAIN,
@@ -214,7 +215,16 @@ class CaseRun:
     runner_copies: tuple[TransferCounts, TransferCounts] | None = None
     """Profiler counts of the plain run's first and final steps: the copies the runner makes
     without any offloader (e.g. FSDP2's), which no offload group range can claim."""
+    layout: TrainResult | None = None
+    """The layout baseline, for a backend declaring contiguous reloads
+    (``harness.offload.layout``): the offload run is compared with it instead of ``plain``."""
     seconds: float = 0.0
+
+    @property
+    def baseline(self) -> TrainResult:
+        """The run the offload run must equal: the layout baseline where there is one, else
+        the plain baseline."""
+        return self.layout or self.plain
 
     @property
     def measured(self) -> dict[GroupKey, dict[str, int]]:
@@ -293,7 +303,8 @@ def attribution_mismatches(res: CaseRun, final_step: int) -> list[str]:
 
 def run_case(case: Case, env: Environment) -> CaseRun:
     """The plain and hooks baselines, the offload run (warmup and final steps profiled) and a
-    disabled run; the prediction from the hooks run's records."""
+    disabled run; the prediction from the hooks run's records. A backend declaring contiguous
+    reloads gets a layout baseline too, made after the prediction that decides its copies."""
     start = time.perf_counter()
     spec, run, config = env.spec(case), case.run_spec(), case.offload_config()
     kept = dict(keep_grads=True, keep_final_state=True, sharding=case.sharding)
@@ -314,11 +325,24 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     observations = recorder.iterations[int(run.eval_first)]  # the first training iteration
     order = schedule_order(run.schedule, run.microbatches)
     warmup, steady = predict(observations, config, order, env.semantics)
+    layout = None
+    if env.semantics.reload_layout == "contiguous":
+
+        def moves(step: int, key: GroupKey) -> bool:
+            expected = (warmup if step == 0 else steady).get(key)
+            return expected is not None and expected.offloaded
+
+        baseline = LayoutBaseline(
+            config, env.device, env.semantics, moves, eval_first=run.eval_first
+        )
+        layout = train(spec, run, baseline, env.device, **kept)
     sink: list[TransferCounts] = []
     seen: list[Observed] = []
     last = run.steps - 1
     final = warmup if last == 0 else steady  # a one-step run's final step is its warmup
+    planned = [(o.layer, o.name) for o in observations if o.microbatch == order[0][1]]
     with _closing(Windowed(env.offloader(config))) as offloader:
+        plan_of(offloader, planned)
         offload = train(
             spec,
             run,
@@ -345,9 +369,16 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         plain=plain,
         hooks=hooks,
         offload=offload,
-        verdict=verdict(plain.losses, hooks.losses, offload.losses, case.tolerance),
-        grad_difference=first_grad_difference(plain, offload),
-        weight_difference=first_tensor_difference(plain.final_state, offload.final_state),
+        verdict=(
+            verdict(plain.losses, hooks.losses, offload.losses, case.tolerance)
+            if layout is None
+            else layout_verdict(plain.losses, layout.losses, offload.losses, case.tolerance)
+        ),
+        grad_difference=first_grad_difference(layout or plain, offload),
+        weight_difference=first_tensor_difference(
+            (layout or plain).final_state, offload.final_state
+        ),
+        layout=layout,
         warmup_transfers=attribution.warmup,
         proof_problems=offload_proof(
             case, spec, attribution.warmup, run.microbatches, env.semantics, env.device
@@ -363,8 +394,9 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         runner_copies=(plain_sink[0], plain_sink[-1]) if plain_sink else None,
         seconds=time.perf_counter() - start,
     )
-    for run_result in (plain, offload):  # compared; drop the copies (GBs on GPU-sized models)
-        run_result.grads, run_result.final_state = [], {}
+    for run_result in (plain, offload, layout):  # compared; drop the copies (GBs on GPUs)
+        if run_result is not None:
+            run_result.grads, run_result.final_state = [], {}
     return result
 
 

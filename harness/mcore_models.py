@@ -59,9 +59,10 @@ from harness import distributed
 from harness.groups import LAYERS
 from harness.impls import IMPLS
 from harness.models.hybrid import INIT_STD, make_batches
+from harness.observe import Windowed
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload, PassThroughGroup
-from harness.offload.protocol import Offloader
+from harness.offload.protocol import Offloader, Wrapper
 from harness.runs import RunHooks, TrainResult
 from harness.spec import ModelSpec, RunSpec, gpt_layers
 
@@ -399,6 +400,13 @@ def bridged(model: Any, bridge: Bridge) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------ training
+def innermost(offloader: Offloader) -> Offloader:
+    """The backend under any ``Wrapper``s (the harness windows, the sync guard)."""
+    while isinstance(offloader, Wrapper):
+        offloader = offloader.inner
+    return offloader
+
+
 def _mode(offloader: Offloader) -> str:
     """``plain`` (flag off), ``native`` (megatron-core's own manager) or ``bridge``."""
     from harness.offload.mcore import McoreOffloader
@@ -443,8 +451,9 @@ def train(
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
-    mode = _mode(offloader)
-    offload = getattr(offloader, "config", None) if mode != "plain" else None
+    inner = innermost(offloader)  # a wrapper (harness windows, the sync guard) drives it
+    mode = _mode(inner)
+    offload = getattr(inner, "config", None) if mode != "plain" else None
     if mode != "plain" and not isinstance(offload, OffloadConfig):
         raise ValueError(f"backend {offloader.name!r} has no OffloadConfig for megatron-core")
     config = transformer_config(spec, run, offload)
@@ -623,7 +632,8 @@ def _main_grads(named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.
 @contextlib.contextmanager
 def _wired(mode: str, offloader: Offloader, model: Any, tracker: LayerTracker) -> Iterator[None]:
     if mode == "native":
-        with offloader.native(tracker):  # type: ignore[attr-defined]
+        windows = offloader if isinstance(offloader, Windowed) else None
+        with innermost(offloader).native(tracker, windows):  # type: ignore[attr-defined]
             yield
     elif mode == "bridge":
         with bridged(model, Bridge(offloader, tracker, _te_cpu_offload_flag())):

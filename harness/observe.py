@@ -182,6 +182,29 @@ class Windowed(Wrapper):
     def iteration_logs(self) -> list[IterationLog]:
         return self.inner.iteration_logs()
 
+    # A model that drives the offloader's groups itself (megatron-core's own layers driving its
+    # own manager, ``harness.offload.mcore``) bypasses ``group``; its adapter reports the group
+    # boundaries and saved tensors here instead, so the windows are the same.
+
+    def window_started(self, layer: int, name: str) -> None:
+        """A group occurrence of the current microbatch started outside ``group``."""
+        with self.state.lock:
+            self.state.open.append((self.state.microbatch, layer, name))
+
+    def window_committed(self, name: str) -> None:
+        """The latest open occurrence of ``name`` committed."""
+        with self.state.lock:
+            for i in range(len(self.state.open) - 1, -1, -1):
+                if self.state.open[i][2] == name:
+                    del self.state.open[i]
+                    return
+
+    def window_saved(self, tensor: torch.Tensor, key: GroupKey) -> None:
+        """Group occurrence ``key`` saved ``tensor`` (what the swapped pack hook notes)."""
+        observer = self.state.observer
+        if observer is not None:
+            observer.saved_by(tensor, key)
+
 
 @dataclass(frozen=True, slots=True)
 class Copy:

@@ -52,6 +52,14 @@ class Semantics:
     host_reload: bool = True
     """Whether a reload on a CPU device copies the host copy back (False: the unpack hands out
     the host copy itself, so a CPU run has no H2D; CUDA runs always reload)."""
+    reload_layout: str = "saved"
+    """``saved``: a reloaded tensor has the saved tensor's strides, so backward runs exactly as
+    without offload and the offload run must equal the plain baseline bitwise; ``contiguous``:
+    it comes back as a fresh contiguous tensor (``torch.empty(size)`` then ``copy_``, as
+    ``save_on_cpu`` packs), so a backward kernel may take another path for a former view and
+    round differently (bf16). The offload run is then compared bitwise with the *layout
+    baseline*: the same copies made on the device, nothing moved (``harness.offload.layout``);
+    how far that baseline is from the plain one is reported, not judged."""
     label: str = "Megatron-Core main's rules"
     """What the prediction's messages call this model."""
 
@@ -64,6 +72,10 @@ class Semantics:
             raise ValueError(f"Semantics.skip must be storage, object or none, got {self.skip!r}")
         if self.policies not in ("megatron", "every"):
             raise ValueError(f"Semantics.policies must be megatron or every, got {self.policies!r}")
+        if self.reload_layout not in ("saved", "contiguous"):
+            raise ValueError(
+                f"Semantics.reload_layout must be saved or contiguous, got {self.reload_layout!r}"
+            )
 
     def reloads_on(self, device_type: str) -> bool:
         """Whether a reload copies back (an H2D) on a device of this type."""

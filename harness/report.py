@@ -357,8 +357,11 @@ def case_record(res: Any) -> dict[str, Any]:
             "plain": res.plain.losses.tolist(),
             "hooks": res.hooks.losses.tolist(),
             "offload": res.offload.losses.tolist(),
+            **({"layout": res.layout.losses.tolist()} if res.layout is not None else {}),
         },
+        "baseline": "layout" if res.layout is not None else "plain",
         "equivalence": res.verdict.kind,
+        "equivalence_message": res.verdict.message,
         "warmup_transfers": {
             d: {"copies": c.copies, "bytes": c.bytes}
             for d, c in res.warmup_transfers.totals().items()

@@ -7,7 +7,8 @@ windows (``harness.observe``) and predicts them from the semantics declared here
 what ``save_on_cpu`` does:
 
 * every tensor autograd saves inside the group moves, parameters included (it has no skip rule);
-* each is copied as itself: ``torch.empty(tensor.size())`` then ``copy_`` (a view is gathered);
+* each is copied as itself: ``torch.empty(tensor.size())`` then ``copy_`` (a view is gathered),
+  and comes back as that contiguous copy, not with the saved view's strides;
 * no size threshold, no warmup, margin or fraction: every selected group of every iteration;
 * on CUDA the unpack copies back with ``.to(device)``; on a CPU device that ``.to`` is a no-op, so
   the reload hands out the host copy itself and a CPU run has no H2D.
@@ -33,6 +34,7 @@ SAVE_ON_CPU = Semantics(
     policies="every",
     size_threshold=False,
     host_reload=False,
+    reload_layout="contiguous",
     label="torch save_on_cpu's rules",
 )
 
@@ -65,6 +67,7 @@ class _Adapter:
     """What the adapters share: the selection, enable/disable, no log, nothing to release."""
 
     def __init__(self, config: OffloadConfig, device: Any = None) -> None:
+        self.config = config  # (megatron-core's models read the knobs from it)
         self.selected = frozenset(config.offload_modules)
         self.enabled = True
 
@@ -133,8 +136,9 @@ class TeCpuOffload(_Adapter):
     """Backend ``te``: TransformerEngine's ``get_cpu_offload_context``, each selected group
     occurrence of a microbatch's forward one of its "layers" (its context entered with the
     group, its synchronisation function applied to the group's output). It needs the number of
-    layers up front and never offloads the last one, so the first microbatch of the first
-    iteration only counts the selected occurrences; from then on ``num_layers = count - 1``.
+    layers up front and never offloads the last one: ``plan`` (called by the case runner with
+    the occurrences the hooks baseline recorded) gives the count, ``num_layers = count - 1``;
+    where nobody calls it, the first microbatch of the first iteration only counts them.
     ``NVTE_CPU_OFFLOAD_V1=1`` in the environment selects its older implementation. It declares
     no semantics: its policies (the last layer kept, the first microbatch not offloaded, its
     2**20-element size threshold in the newer implementation) are not in ``Semantics``, so the
@@ -153,23 +157,33 @@ class TeCpuOffload(_Adapter):
         self.context: Any = None
         self.synchronize: Any = None
 
+    def plan(self, occurrences: Sequence[tuple[int, str]]) -> None:
+        """The selected occurrences of a microbatch's forward, known before training: every
+        one of them is a layer from the first microbatch on (no counting pass)."""
+        if self.layers is None:
+            self._build(sum(1 for _, name in occurrences if name in self.selected))
+
     def begin_microbatch(self, microbatch: int) -> None:
         if self.layers is None and self.counted:
-            self.layers = self.counted
-            if self.layers >= 2:
-                from transformer_engine.pytorch import get_cpu_offload_context
+            self._build(self.counted)
 
-                wanted = dict(
-                    enabled=True,
-                    num_layers=self.layers - 1,
-                    model_layers=self.layers,
-                    offload_activations=True,
-                    offload_weights=False,
-                )
-                accepted = inspect.signature(get_cpu_offload_context).parameters
-                self.context, self.synchronize = get_cpu_offload_context(
-                    **{k: v for k, v in wanted.items() if k in accepted}
-                )
+    def _build(self, layers: int) -> None:
+        self.layers = layers
+        if layers < 2:  # TransformerEngine keeps the last layer: nothing would move
+            return
+        from transformer_engine.pytorch import get_cpu_offload_context
+
+        wanted = dict(
+            enabled=True,
+            num_layers=layers - 1,
+            model_layers=layers,
+            offload_activations=True,
+            offload_weights=False,
+        )
+        accepted = inspect.signature(get_cpu_offload_context).parameters
+        self.context, self.synchronize = get_cpu_offload_context(
+            **{k: v for k, v in wanted.items() if k in accepted}
+        )
 
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> _TeGroup | PassThroughGroup:
         if not self.selects(name):  # (TE's synchronisation function also needs grad)

@@ -154,31 +154,41 @@ class McoreOffloader:
         self._counts: dict[GroupKey, Counter[str]] = {}
         self._logs: list[IterationLog] = []
         self._native = False
+        self._windows: Any = None
+        """The ``Windowed`` wrapper told of saved tensors while ``native`` (None: none)."""
 
     @property
     def enabled(self) -> bool:
         return self._enabled
 
     @contextlib.contextmanager
-    def native(self, layer: Callable[[], int]) -> Iterator[None]:
+    def native(self, layer: Callable[[], int], windows: Any = None) -> Iterator[None]:
         """Watch megatron-core's own modules drive the manager (``harness.mcore_models``):
         its model forward opens the chunks, its layers the groups, its schedule resets. Inside,
         ``begin_microbatch`` only notes the microbatch and ``end_iteration`` does nothing; each
         group start is keyed by (microbatch, ``layer()``, name) and its chunk instrumented, a
         commit adds the compute-stream delay, and megatron-core's reset logs the iteration
-        first."""
+        first. ``windows`` (a ``harness.observe.Windowed`` around this offloader) is told each
+        group start, commit and saved tensor, so its windows bracket the groups megatron-core's
+        layers open as they bracket the ones the protocol opens."""
         mcore, interface = self._mcore, self._interface
         start = mcore.fine_grained_offloading_group_start
         commit = mcore.fine_grained_offloading_group_offload
         reset = inspect.getattr_static(interface, "reset")
 
         def group_start(tensor: torch.Tensor, name: str | None = None) -> Any:
+            if windows is not None:
+                windows.window_started(layer(), str(name))
             out = start(tensor, name)
             self._started(str(name), layer())
             return out
 
         def group_offload(*args: Any, **kwargs: Any) -> Any:
-            out = commit(*args, **kwargs)
+            try:
+                out = commit(*args, **kwargs)
+            finally:
+                if windows is not None:
+                    windows.window_committed(str(kwargs.get("name", args[1] if args[1:] else "")))
             if self.delays.compute:
                 torch.cuda._sleep(self.delays.compute)
             return out
@@ -190,11 +200,11 @@ class McoreOffloader:
         mcore.fine_grained_offloading_group_start = group_start
         mcore.fine_grained_offloading_group_offload = group_offload
         interface.reset = staticmethod(logged_reset)
-        self._native = True
+        self._native, self._windows = True, windows
         try:
             yield
         finally:
-            self._native = False
+            self._native, self._windows = False, None
             interface.reset = reset
             mcore.fine_grained_offloading_group_offload = commit
             mcore.fine_grained_offloading_group_start = start
@@ -306,7 +316,11 @@ class McoreOffloader:
         def push(tensor: Any) -> Any:
             tag = tensor_push(tensor)
             if isinstance(tag, tuple):
-                count(chunk.offload_groups[tag[0] - 1], "tracked")
+                group = chunk.offload_groups[tag[0] - 1]
+                count(group, "tracked")
+                key = keys.get(id(group))
+                if self._windows is not None and key is not None:
+                    self._windows.window_saved(tensor, key)
             return tag
 
         def pop(tag: Any) -> Any:

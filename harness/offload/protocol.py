@@ -15,6 +15,9 @@ The training runner brackets microbatches and iterations:
     off.end_iteration()       # after the optimizer step (Megatron's reset); the first one that
                               # saw groups ends the warmup iteration
 
+One member is optional: ``plan(occurrences)``, told the selected group occurrences of a
+microbatch's forward before training where the runner knows them (``plan_of``).
+
 A backend is a factory ``(config, device) -> Offloader``; see ``harness.offload.backends``. What
 the harness needs to know about a factory besides that (its copy rules, whether it takes race
 delays, where it cannot run, its description) it declares in one ``Capabilities`` record.
@@ -123,6 +126,20 @@ class Wrapper:
 
     def close(self) -> None:
         self.inner.close()
+
+    def plan(self, occurrences: Sequence[tuple[int, str]]) -> None:
+        plan_of(self.inner, occurrences)
+
+
+def plan_of(offloader: object, occurrences: Sequence[tuple[int, str]]) -> None:
+    """Tell ``offloader`` the selected group occurrences of one microbatch's forward, as
+    ``(layer, name)`` in forward order, if it takes them (the optional member ``plan``: an
+    offloader that must know its layer count before the first forward, as TransformerEngine's
+    does, implements it). The case runner calls it before training with what the ``hooks``
+    baseline recorded; an offloader must still work when nobody calls it."""
+    plan = getattr(offloader, "plan", None)
+    if callable(plan):
+        plan(occurrences)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -165,7 +165,11 @@ class RecordingOffloader:
             or not torch.is_grad_enabled()
         ):
             return PassThroughGroup(x)
-        return _RecordingGroup(self, (self._microbatch, layer, name), x)
+        return self._recording_group((self._microbatch, layer, name), x)
+
+    def _recording_group(self, key: tuple[int, int, str], x: torch.Tensor) -> Any:
+        """The group that records occurrence ``key`` (a subclass may return its own kind)."""
+        return _RecordingGroup(self, key, x)
 
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
         for tensor in tensors:
