@@ -120,8 +120,14 @@ class Attribution:
     """The profiler's counts of the same steps (by the offloader's ranges, if it opened any)."""
     outside: tuple[int, int]
     """Copies the observer saw outside every group window, in the warmup and the final step."""
+    outside_copies: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    """Those copies, ``"d2h copy_ 4096 B"`` each (the first 12 of each step), for the report."""
     pageable_groups: tuple[GroupKey, ...] = ()
     """Group occurrences with a copy from/to pageable host memory in the final step (observer)."""
+
+
+def _described(copies: list[Any], limit: int = 12) -> tuple[str, ...]:
+    return tuple(f"{c.direction} {c.op} {c.nbytes} B" for c in copies[:limit])
 
 
 def attribute(sink: list[TransferCounts], seen: list[Observed], cuda: bool) -> Attribution:
@@ -140,6 +146,7 @@ def attribute(sink: list[TransferCounts], seen: list[Observed], cuda: bool) -> A
         windows=windows,
         profiled=profiled,
         outside=outside,
+        outside_copies=(_described(seen[0].outside()), _described(seen[-1].outside())),
         pageable_groups=pageable,
     )
 

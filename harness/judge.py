@@ -170,8 +170,18 @@ def _leaks(runs: CaseRuns) -> CheckOutcome:
 
 
 def _transfers(runs: CaseRuns) -> CheckOutcome:
+    res = runs.case_run()
+    att = res.attribution
+    outside = (
+        {"step 0": list(att.outside_copies[0]), "final step": list(att.outside_copies[1])}
+        if att is not None
+        else None
+    )
     return _from_problems(
-        "transfers", transfer_problems(runs.case, runs.case_run(), runs.env.device)
+        "transfers",
+        transfer_problems(runs.case, res, runs.env.device),
+        attribution=att.source if att is not None else None,
+        outside_windows=outside,
     )
 
 
