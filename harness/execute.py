@@ -104,6 +104,17 @@ def profile_steps(
     return RunHooks(step_context=context)
 
 
+def observe_steps(
+    device: torch.device, steps: set[int], offloader: Windowed, seen: list[Observed]
+) -> RunHooks:
+    """Run hooks in which the harness's copy observer alone watches the listed steps."""
+
+    def context(step: int) -> contextlib.AbstractContextManager[object]:
+        return observe(offloader, device, seen) if step in steps else contextlib.nullcontext()
+
+    return RunHooks(step_context=context)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Attribution:
     """Which group each copy of the profiled steps belongs to, and who said so."""
@@ -328,7 +339,19 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         **kept,
     )
     recorder = RecordingOffloader(config, env.device)
-    hooks = train(spec, run, recorder, env.device, sharding=case.sharding)
+    # Observed too: the copies the model makes itself inside group windows (moving nothing, the
+    # hooks baseline's copies are all the model's) are not the offloader's.
+    own: list[Observed] = []
+    windowed = Windowed(recorder)
+    last = run.steps - 1
+    hooks = train(
+        spec,
+        run,
+        windowed,
+        env.device,
+        hooks=observe_steps(env.device, {0, last}, windowed, own),
+        sharding=case.sharding,
+    )
     observations = recorder.iterations[int(run.eval_first)]  # the first training iteration
     order = schedule_order(run.schedule, run.microbatches)
     warmup, steady = predict(observations, config, order, env.semantics)
@@ -345,7 +368,6 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         layout = train(spec, run, baseline, env.device, **kept)
     sink: list[TransferCounts] = []
     seen: list[Observed] = []
-    last = run.steps - 1
     final = warmup if last == 0 else steady  # a one-step run's final step is its warmup
     planned = [(o.layer, o.name) for o in observations if o.microbatch == order[0][1]]
     with _closing(Windowed(env.offloader(config))) as offloader:
@@ -358,7 +380,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             hooks=profile_steps(env.device, {0, last}, sink, (offloader, seen)),
             **kept,
         )
-    attribution = attribute(sink, seen, cuda)
+    attribution = attribute(sink, [s.without(o) for s, o in zip(seen, own, strict=True)], cuda)
     disabled: list[TransferCounts] = []
     disabled_seen: list[Observed] = []
     with _closing(Windowed(env.offloader(config))) as offloader:
@@ -397,7 +419,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         semantics=env.semantics,
         logged=log_by_group(offload.logs[-1].groups) if offload.logs else None,
         disabled=disabled[0],
-        disabled_observed=disabled_seen[0].counts("device" if cuda else "cpu"),
+        disabled_observed=disabled_seen[0].without(own[0]).counts("device" if cuda else "cpu"),
         runner_copies=(plain_sink[0], plain_sink[-1]) if plain_sink else None,
         seconds=time.perf_counter() - start,
     )

@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -243,6 +243,24 @@ class Observed:
 
     def outside(self) -> list[Copy]:
         return [c for c in self.copies if c.group is None]
+
+    def without(self, own: Observed) -> Observed:
+        """These copies less the model's own: each copy of ``own`` (the same step of a run
+        that moves nothing, e.g. a MoE layer's token counts copied to the host inside its
+        group's window) removes one copy with the same group, direction, op and bytes."""
+        left = Counter(_signature(c) for c in own.copies)
+        kept = []
+        for copy in self.copies:
+            signature = _signature(copy)
+            if left[signature]:
+                left[signature] -= 1
+            else:
+                kept.append(copy)
+        return Observed(copies=kept)
+
+
+def _signature(copy: Copy) -> tuple[Any, ...]:
+    return copy.group, copy.direction, copy.op, copy.nbytes
 
 
 def _storage(t: torch.Tensor) -> int:

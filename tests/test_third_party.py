@@ -271,6 +271,33 @@ def test_observer_attributes_a_prefetch_by_the_host_memory_it_reads() -> None:
     assert torch.equal(back_a, a) and torch.equal(host_b, b)
 
 
+def test_the_models_own_copies_in_a_window_are_not_the_offloaders() -> None:
+    """A copy the model makes itself inside a group's window (a MoE layer's token counts to the
+    host, say) is seen in the hooks baseline too, which moves nothing; ``without`` removes it
+    once per occurrence there, so only the offloader's copies are counted."""
+
+    def step(offloaded: bool) -> list:
+        off, seen = Windowed(NoOffload()), []
+        x = torch.randn(64)
+        with observe(off, CPU, seen):
+            off.begin_microbatch(0)
+            group = off.group("expert_fc1", x, layer=1)
+            torch.empty(8).copy_(x[:8])  # the model's own 32-byte copy
+            if offloaded:
+                torch.empty(64).copy_(x)  # the offloader's
+            group.commit(x)
+        return seen
+
+    own, seen = step(False)[0], step(True)[0]
+    assert own.counts("cpu").by_group() == {
+        (0, 1, "expert_fc1"): {"d2h_copies": 1, "d2h_bytes": 32, "h2d_copies": 0, "h2d_bytes": 0}
+    }
+    assert seen.without(own).counts("cpu").by_group() == {
+        (0, 1, "expert_fc1"): {"d2h_copies": 1, "d2h_bytes": 256, "h2d_copies": 0, "h2d_bytes": 0}
+    }
+    assert step(False)[0].without(own).copies == [], "a disabled offloader: nothing left"
+
+
 def test_observer_outside_every_window_on_cuda_is_reported() -> None:
     """On CUDA, a D2H issued in no window is counted as ``outside`` (never dropped)."""
     if not torch.cuda.is_available():
