@@ -53,7 +53,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.offload.protocol import Group, IterationLog, Offloader, Output, Wrapper
-from harness.offload.ranges import Direction, RangeKey
+from harness.offload.ranges import Direction, RangeKey, current_range, watching
 from harness.transfers import DIRECTIONS, Counts, TransferCounts
 
 GroupKey = tuple[int, int, str]  # (microbatch, layer, name)
@@ -224,6 +224,19 @@ class Observed:
     """What one observed step copied."""
 
     copies: list[Copy] = field(default_factory=list)
+    ranged: list[tuple[RangeKey, int]] = field(default_factory=list)
+    """On a CPU device: every copy op issued inside one of the offloader's own ranges
+    (``harness.offload.ranges.profiler_range``), with the destination's bytes, keyed by the
+    innermost range open on the issuing thread - what the profiler's CPU-mode counter counts
+    (``harness.transfers``), read without a profiler."""
+
+    def ranged_counts(self) -> TransferCounts:
+        """The copies inside the offloader's own ranges (CPU device), as the profiler counter's
+        CPU-mode record."""
+        by_range: dict[RangeKey, Counts] = defaultdict(Counts)
+        for key, nbytes in self.ranged:
+            by_range[key] += Counts(1, nbytes)
+        return TransferCounts(dict(by_range), mode="cpu")
 
     def counts(self, mode: str) -> TransferCounts:
         """The same record the profiler counter gives (``harness.transfers``), attributed by
@@ -256,7 +269,7 @@ class Observed:
                 left[signature] -= 1
             else:
                 kept.append(copy)
-        return Observed(copies=kept)
+        return Observed(copies=kept, ranged=self.ranged)
 
 
 def _signature(copy: Copy) -> tuple[Any, ...]:
@@ -339,6 +352,11 @@ class CopyObserver(TorchDispatchMode):
             except (IndexError, TypeError):
                 return out
             if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
+                if self.host_device:
+                    key = current_range()
+                    if key is not None:
+                        with self.lock:
+                            self.observed.ranged.append((key, _nbytes(dst)))
                 self._note(op, src, dst)
         return out
 
@@ -408,7 +426,7 @@ def observe(offloader: Offloader, device: torch.device, sink: list[Observed]) ->
     mode = CopyObserver(offloader.state, device)
     offloader.state.observer = mode
     try:
-        with mode:
+        with watching(), mode:
             yield
     finally:
         offloader.state.observer = None

@@ -298,6 +298,37 @@ def test_the_models_own_copies_in_a_window_are_not_the_offloaders() -> None:
     assert step(False)[0].without(own).copies == [], "a disabled offloader: nothing left"
 
 
+def test_observer_reads_the_offloaders_ranges_as_the_cpu_profiler_counts_them() -> None:
+    """On a CPU device a case runs no profiler: the observer reads the offloader's own ranges.
+    On the reference's seed row, profiled and observed in the same steps, both give the same
+    copies and bytes per range occurrence."""
+    import contextlib
+
+    from harness.execute import _profiled
+    from harness.offload.reference import OffloadContext
+    from harness.train import RunHooks, train
+
+    case = SEED_CASE
+    spec, run = case.model_spec("tiny"), case.run_spec()
+    offloader = Windowed(OffloadContext(case.offload_config(), CPU))
+    profiled, seen = [], []
+
+    def both(step: int) -> contextlib.AbstractContextManager[object]:
+        if step not in (0, run.steps - 1):
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(_profiled(CPU, profiled))
+        stack.enter_context(observe(offloader, CPU, seen))
+        return stack
+
+    train(spec, run, offloader, CPU, hooks=RunHooks(step_context=both))
+    offloader.close()
+    assert len(profiled) == len(seen) == 2
+    for by_profiler, observed in zip(profiled, seen, strict=True):
+        assert by_profiler.by_range, "the reference opened ranges"
+        assert observed.ranged_counts().by_range == by_profiler.by_range
+
+
 def test_observer_outside_every_window_on_cuda_is_reported() -> None:
     """On CUDA, a D2H issued in no window is counted as ``outside`` (never dropped)."""
     if not torch.cuda.is_available():

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,14 +37,59 @@ def range_name(direction: Direction, name: str, microbatch: int, layer: int) -> 
     return f"{PREFIX}{direction}|{name}|mb={microbatch}|layer={layer}"
 
 
+_watchers = 0
+"""How many harness copy observers watch the ranges now (``watching``)."""
+_open = threading.local()
+
+
 def profiler_range(
     direction: Direction, name: str, microbatch: int, layer: int
 ) -> contextlib.AbstractContextManager[Any]:
-    """The group occurrence's named profiler range, or nothing when no profiler runs (a range
-    costs tens of microseconds per group even unprofiled)."""
-    if not torch._C._autograd._profiler_enabled():
+    """The group occurrence's named profiler range while a profiler runs, and the range on this
+    thread's stack of open ranges (``current_range``) while a harness copy observer watches;
+    nothing otherwise (a range costs tens of microseconds per group even unprofiled)."""
+    profiling = torch._C._autograd._profiler_enabled()
+    if not profiling and not _watchers:
         return contextlib.nullcontext()
-    return record_function(range_name(direction, name, microbatch, layer))
+    inner: contextlib.AbstractContextManager[Any] = (
+        record_function(range_name(direction, name, microbatch, layer))
+        if profiling
+        else contextlib.nullcontext()
+    )
+    if not _watchers:
+        return inner
+    return _on_stack(RangeKey(direction, name, microbatch, layer), inner)
+
+
+@contextlib.contextmanager
+def _on_stack(key: RangeKey, inner: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+    stack = getattr(_open, "stack", None)
+    if stack is None:
+        stack = _open.stack = []
+    stack.append(key)
+    try:
+        with inner:
+            yield
+    finally:
+        stack.pop()
+
+
+def current_range() -> RangeKey | None:
+    """The innermost range open on this thread while ``watching`` (None: none)."""
+    stack = getattr(_open, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def watching() -> Iterator[None]:
+    """While inside, ``profiler_range`` keeps its thread's stack of open ranges even when no
+    profiler runs, so a copy observer can read the offloader's own ranges without one."""
+    global _watchers
+    _watchers += 1
+    try:
+        yield
+    finally:
+        _watchers -= 1
 
 
 def parse_range_name(text: str) -> RangeKey | None:
