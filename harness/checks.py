@@ -171,6 +171,13 @@ def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[st
         problems += [f"counted ({source}) vs prediction in {final}:", *res.mismatches()]
     if res.log_mismatches():
         problems += [f"offloader log vs counted ({source}) in {final}:", *res.log_mismatches()]
+    earlier = "the steps before the final one"
+    if res.step_mismatches():
+        problems += [f"counted (harness windows) vs prediction in {earlier}:"]
+        problems += res.step_mismatches()
+    if res.step_log_mismatches():
+        problems += [f"offloader log vs counted (harness windows) in {earlier}:"]
+        problems += res.step_log_mismatches()
     crossed = attribution_mismatches(res, case.steps - 1)
     if crossed:
         problems += ["the offloader's own ranges vs the harness's group windows:", *crossed]

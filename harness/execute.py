@@ -95,22 +95,28 @@ def profile_steps(
     steps: set[int],
     sink: list[TransferCounts],
     observer: tuple[Windowed, list[Observed]] | None = None,
+    observed: set[int] | None = None,
 ) -> RunHooks:
     """Run hooks that profile the listed steps, appending their counts to ``sink``; with
     ``observer`` (the run's ``Windowed`` offloader and a list) the harness's copy observer
-    watches the same steps (``harness.observe``). On a CPU device with an observer no profiler
-    runs: the observer reads the offloader's own ranges itself (``Observed.ranged_counts``, the
-    profiler counter's CPU-mode record; a profiler costs about a third of a case there)."""
+    watches the ``observed`` steps (default: the same; they must include them). On a CPU
+    device with an observer no profiler runs: the observer reads the offloader's own ranges
+    itself (``Observed.ranged_counts``, the profiler counter's CPU-mode record; a profiler
+    costs about a third of a case there)."""
+    watched = steps if observed is None else observed
 
     def context(step: int) -> contextlib.AbstractContextManager[object]:
-        if step not in steps:
+        profiled, seen = step in steps, observer is not None and step in watched
+        if not profiled and not seen:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
-        if observer is None or device.type == "cuda":
+        if profiled and (observer is None or device.type == "cuda"):
             stack.enter_context(_profiled(device, sink))
-        else:  # entered first, so it exits after the observer has appended its record
+        elif profiled:  # entered first, so it exits after the observer has appended its record
+            assert observer is not None
             stack.enter_context(_ranged(sink, observer[1]))
-        if observer is not None:
+        if seen:
+            assert observer is not None
             stack.enter_context(observe(observer[0], device, observer[1]))
         return stack
 
@@ -246,6 +252,11 @@ class CaseRun:
     runner_copies: tuple[TransferCounts, TransferCounts] | None = None
     """Profiler counts of the plain run's first and final steps: the copies the runner makes
     without any offloader (e.g. FSDP2's), which no offload group range can claim."""
+    per_step: tuple[TransferCounts, ...] = ()
+    """The copy observer's counts of every training step, by the harness's windows (the model's
+    own copies removed): what the every-step checks read."""
+    warmup_expected: dict[GroupKey, Expected] = field(default_factory=dict)
+    """The prediction for step 0 (the warmup); ``expected`` holds the steady one."""
     layout: TrainResult | None = None
     """The layout baseline, for a backend declaring contiguous reloads
     (``harness.offload.layout``): the offload run is compared with it instead of ``plain``."""
@@ -262,18 +273,7 @@ class CaseRun:
         return self.counts.by_group()
 
     def expected_fields(self) -> dict[GroupKey, dict[str, int]]:
-        back = self.semantics.reloads_on("cuda" if self.counts.mode == "device" else "cpu")
-        return {
-            k: dict(
-                zip(
-                    COUNTER_FIELDS,
-                    (e.copies, e.bytes, e.copies if back else 0, e.bytes if back else 0),
-                    strict=True,
-                )
-            )
-            for k, e in self.expected.items()
-            if e.copies
-        }
+        return _fields(self.expected, self.semantics, self.counts.mode)
 
     def mismatches(self) -> list[str]:
         """Group occurrences whose counted copies differ from the prediction, each with the
@@ -281,6 +281,37 @@ class CaseRun:
         whys = {k: e.why for k, e in self.expected.items() if e.why}
         step = f"step {self.case.steps - 1}"
         return _diff(self.expected_fields(), self.measured, "predicted", "measured", whys, step)
+
+    def step_mismatches(self) -> list[str]:
+        """Every step but the final one (which ``mismatches`` judges by the offloader's own
+        ranges where it opens any): the harness windows' counts per group occurrence against
+        the warmup prediction in step 0 and the steady one afterwards, each with its rule."""
+        out = []
+        for step, counts in enumerate(self.per_step[:-1]):
+            expected = self.warmup_expected if step == 0 else self.expected
+            whys = {k: e.why for k, e in expected.items() if e.why}
+            out += _diff(
+                _fields(expected, self.semantics, counts.mode),
+                counts.by_group(),
+                "predicted",
+                "measured",
+                whys,
+                f"step {step}",
+            )
+        return out
+
+    def step_log_mismatches(self) -> list[str]:
+        """Every step but the final one: the offloader's log of that iteration against the
+        windows' counts (offloaders that keep a log)."""
+        logs = self.offload.logs[-len(self.per_step) :] if self.per_step else []
+        if len(logs) != len(self.per_step):
+            return []
+        out = []
+        for step, (log, counts) in enumerate(zip(logs[:-1], self.per_step[:-1], strict=True)):
+            out += _diff(
+                log_by_group(log.groups), counts.by_group(), "log", "counted", step=f"step {step}"
+            )
+        return out
 
     def log_mismatches(self) -> list[str]:
         """Group occurrences whose logged counts differ from the profiler's."""
@@ -295,6 +326,25 @@ class CaseRun:
 
 
 _ZERO = dict.fromkeys(COUNTER_FIELDS, 0)
+
+
+def _fields(
+    expected: dict[GroupKey, Expected], semantics: Semantics, mode: str
+) -> dict[GroupKey, dict[str, int]]:
+    """The counter fields a prediction expects per group occurrence (no reload on a CPU device
+    where the semantics say a reload hands out the host copy)."""
+    back = semantics.reloads_on("cuda" if mode == "device" else "cpu")
+    return {
+        k: dict(
+            zip(
+                COUNTER_FIELDS,
+                (e.copies, e.bytes, e.copies if back else 0, e.bytes if back else 0),
+                strict=True,
+            )
+        )
+        for k, e in expected.items()
+        if e.copies
+    }
 
 
 def _diff(
@@ -362,7 +412,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         run,
         windowed,
         env.device,
-        hooks=observe_steps(env.device, {0, last}, windowed, own),
+        hooks=observe_steps(env.device, set(range(run.steps)), windowed, own),
         sharding=case.sharding,
     )
     observations = recorder.iterations[int(run.eval_first)]  # the first training iteration
@@ -390,10 +440,13 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             run,
             offloader,
             env.device,
-            hooks=profile_steps(env.device, {0, last}, sink, (offloader, seen)),
+            hooks=profile_steps(
+                env.device, {0, last}, sink, (offloader, seen), set(range(run.steps))
+            ),
             **kept,
         )
-    attribution = attribute(sink, [s.without(o) for s, o in zip(seen, own, strict=True)], cuda)
+    mine = [s.without(o) for s, o in zip(seen, own, strict=True)]  # every step's
+    attribution = attribute(sink, [mine[0], mine[-1]], cuda)
     disabled: list[TransferCounts] = []
     disabled_seen: list[Observed] = []
     with _closing(Windowed(env.offloader(config))) as offloader:
@@ -421,6 +474,8 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             (layout or plain).final_state, offload.final_state
         ),
         layout=layout,
+        per_step=tuple(m.counts("device" if cuda else "cpu") for m in mine),
+        warmup_expected=warmup,
         warmup_transfers=attribution.warmup,
         proof_problems=offload_proof(
             case, spec, attribution.warmup, run.microbatches, env.semantics, env.device

@@ -311,3 +311,24 @@ def test_cuda_only_classes_are_the_reference_on_cpu(factory: type[OffloadContext
     reference, _ = _run(OffloadContext, _config(SEED_NAMES))
     assert torch.equal(result.losses, plain)
     assert [_moved(log) for log in result.logs] == [_moved(log) for log in reference.logs]
+
+
+@pytest.mark.parametrize(
+    ("backend", "seen_by", "step"),
+    [
+        ("broken.middle_step_skip", "step_mismatches", "step 2,"),
+        ("broken.lying_log", "step_log_mismatches", "step 3,"),
+    ],
+)
+def test_middle_step_bugs_are_seen_only_by_the_every_step_checks(
+    backend: str, seen_by: str, step: str
+) -> None:
+    """The final step and the warmup are right, so the final-step counts, the final-step log
+    and the offload proof see nothing; only the checks of every step name the step."""
+    from harness.execute import Environment, run_case
+    from harness.offload.broken import SEED
+
+    res = run_case(SEED, Environment(device=torch.device("cpu"), backend=backend))
+    assert res.mismatches() == [] and res.log_mismatches() == [] and not res.proof_problems
+    found = getattr(res, seen_by)()
+    assert found and all(line.startswith(step) for line in found), found

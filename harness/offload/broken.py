@@ -544,6 +544,47 @@ class CorruptReload(OffloadContext):
             byte.bitwise_xor_(torch.full_like(byte, 1 << (mantissa % 8)))
 
 
+class MiddleStepSkip(OffloadContext):
+    """A group left on the device in one step between the warmup and the final one (a per-step
+    policy bug: an offloader that moves only on some iterations).
+
+    In step 2 every layer-0 group stays on the device, and its log says so (``kept:skipped``).
+    Values stay right and steps 0 and 5 move exactly the prediction, so only a check of every
+    step sees it. Caught by transfer counts (the steps before the final one).
+    """
+
+    name = "broken.middle_step_skip"
+
+    def _decide(self, group: GroupState) -> str:
+        decision = super()._decide(group)
+        if len(self._logs) == 2 and group.layer == 0 and decision == "offloaded":
+            return "kept:skipped"
+        return decision
+
+
+class LyingLog(OffloadContext):
+    """An offloader whose log lies in one middle step: iteration 3's log claims one D2H copy
+    more for its first offloaded group than it made (a stale or double-counted log record).
+
+    Every copy is right; only the log of step 3 is wrong. Caught by transfer counts (the
+    offloader's log against the counted copies, in the steps before the final one).
+    """
+
+    name = "broken.lying_log"
+
+    def end_iteration(self) -> None:
+        super().end_iteration()
+        if len(self._logs) != 4:
+            return
+        log = self._logs[-1]
+        records = list(log.groups)
+        for i, record in enumerate(records):
+            if record.d2h_copies:
+                records[i] = dataclasses.replace(record, d2h_copies=record.d2h_copies + 1)
+                break
+        self._logs[-1] = dataclasses.replace(log, groups=tuple(records))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BrokenBackend:
     """One catalogue entry."""
@@ -693,6 +734,20 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="PyTorch CudaSyncGuard test; issue 9 sync guard",
         cpu=False,
         catchers=(("sync", SEED), ("transfers", SEED)),
+    ),
+    BrokenBackend(
+        factory=MiddleStepSkip,
+        bug_class="a group left on the device in one middle step (moves only on some steps)",
+        reference="issue 23: bugs confined to the steps between the warmup and the final one",
+        cpu=True,
+        catchers=(("transfers", SEED),),
+    ),
+    BrokenBackend(
+        factory=LyingLog,
+        bug_class="the offloader's log lies in one middle step",
+        reference="issue 23: a log checked only in the final step",
+        cpu=True,
+        catchers=(("transfers", SEED),),
     ),
     BrokenBackend(
         factory=CorruptReload,
