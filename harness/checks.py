@@ -40,6 +40,12 @@ def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str
     if res.proof_problems:
         return ["the offload did not happen in step 0 (the warmup step):", *res.proof_problems]
     problems = []
+    if res.corrupted:
+        step, where = res.corrupted[0]
+        problems.append(
+            f"{len(res.corrupted)} reloads differ from what was saved (checksums at pack and "
+            f"unpack, {res.checksummed} compared); the first: step {step}, {where}"
+        )
     if not res.verdict.ok:
         problems.append(res.verdict.message)
     if res.grad_difference is not None:

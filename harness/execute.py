@@ -255,6 +255,11 @@ class CaseRun:
     per_step: tuple[TransferCounts, ...] = ()
     """The copy observer's counts of every training step, by the harness's windows (the model's
     own copies removed): what the every-step checks read."""
+    corrupted: tuple[tuple[int, str], ...] = ()
+    """(step, where) of every saved tensor whose reload's checksum differed from its pack-time
+    checksum in the offload run (``harness.observe.checksum``), in order."""
+    checksummed: int = 0
+    """Saved tensors whose pack and unpack checksums were compared in the offload run."""
     warmup_expected: dict[GroupKey, Expected] = field(default_factory=dict)
     """The prediction for step 0 (the warmup); ``expected`` holds the steady one."""
     layout: TrainResult | None = None
@@ -402,8 +407,9 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         **kept,
     )
     recorder = RecordingOffloader(config, env.device)
-    # Observed too: the copies the model makes itself inside group windows (moving nothing, the
-    # hooks baseline's copies are all the model's) are not the offloader's.
+    # Observed too, in step 0: the copies the model makes itself inside group windows (moving
+    # nothing, the hooks baseline's copies are all the model's) are not the offloader's. They
+    # are the same in every step (they do not depend on the offload), so step 0's stand for all.
     own: list[Observed] = []
     windowed = Windowed(recorder)
     last = run.steps - 1
@@ -412,7 +418,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         run,
         windowed,
         env.device,
-        hooks=observe_steps(env.device, set(range(run.steps)), windowed, own),
+        hooks=observe_steps(env.device, {0}, windowed, own),
         sharding=case.sharding,
     )
     observations = recorder.iterations[int(run.eval_first)]  # the first training iteration
@@ -433,7 +439,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     seen: list[Observed] = []
     final = warmup if last == 0 else steady  # a one-step run's final step is its warmup
     planned = [(o.layer, o.name) for o in observations if o.microbatch == order[0][1]]
-    with _closing(Windowed(env.offloader(config))) as offloader:
+    with _closing(Windowed(env.offloader(config), checksums=True)) as offloader:
         plan_of(offloader, planned)
         offload = train(
             spec,
@@ -445,7 +451,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             ),
             **kept,
         )
-    mine = [s.without(o) for s, o in zip(seen, own, strict=True)]  # every step's
+    mine = [s.without(own[0]) for s in seen]  # every step's
     attribution = attribute(sink, [mine[0], mine[-1]], cuda)
     disabled: list[TransferCounts] = []
     disabled_seen: list[Observed] = []
@@ -475,6 +481,8 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         ),
         layout=layout,
         per_step=tuple(m.counts("device" if cuda else "cpu") for m in mine),
+        corrupted=tuple((step, where) for step, o in enumerate(seen) for where in o.corrupted),
+        checksummed=sum(o.checksummed for o in seen),
         warmup_expected=warmup,
         warmup_transfers=attribution.warmup,
         proof_problems=offload_proof(

@@ -77,10 +77,70 @@ class _WindowState:
         """The observer of the step running now (None: the step is not observed)."""
         self.packing: GroupKey | None = None
         """The group whose saved-tensor pack hook runs now."""
+        self.checksums = False
+        """Whether observed steps checksum every saved tensor at pack and at unpack."""
 
     def current(self) -> GroupKey | None:
         with self.lock:
             return self.open[-1] if self.open else None
+
+
+def checksum(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A device-side checksum of ``tensor``'s values in logical order, enqueued on the current
+    stream with no host synchronisation: the int64 sums of its bytes and of its even-indexed
+    bytes (a flipped bit, a wrong tensor or a stale buffer changes them; a permutation of whole
+    elements can escape them). None for tensors it cannot read as bytes (sparse, meta)."""
+    if tensor.layout != torch.strided or tensor.device.type == "meta":
+        return None
+    raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    return torch.stack((raw.sum(dtype=torch.int64), raw[::2].sum(dtype=torch.int64)))
+
+
+class _SumRecord:
+    """One saved tensor's checksum at pack time, and the one of what its unpack returned."""
+
+    __slots__ = ("dtype", "index", "key", "offset", "packed", "reloaded", "shape")
+
+    def __init__(
+        self, key: GroupKey, index: int, tensor: torch.Tensor, packed: torch.Tensor | None
+    ) -> None:
+        self.key, self.index = key, index
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+        self.offset = tensor.storage_offset()
+        self.packed, self.reloaded = packed, None
+
+    def where(self) -> str:
+        mb, layer, name = self.key
+        return (
+            f"microbatch {mb}, layer {layer}, group {name}, saved tensor {self.index} of the "
+            f"group: shape {list(self.shape)}, {self.dtype}, storage offset {self.offset}"
+        )
+
+
+class _Summed:
+    """What the harness's pack hook hands autograd: the offloader's packed object and the
+    checksum record (the unpack hook unwraps it before calling the offloader's)."""
+
+    __slots__ = ("packed", "record")
+
+    def __init__(self, packed: Any, record: _SumRecord | None) -> None:
+        self.packed, self.record = packed, record
+
+
+def _summing(unpack: Any, state: _WindowState) -> Any:
+    def unpacked(item: Any) -> Any:
+        if not isinstance(item, _Summed):
+            return unpack(item)
+        tensor = unpack(item.packed)
+        record, observer = item.record, state.observer
+        if record is not None and record.packed is not None and observer is not None:
+            if isinstance(tensor, torch.Tensor):
+                record.reloaded = checksum(tensor)
+                with observer.lock:
+                    observer.summed.append(record)
+        return tensor
+
+    return unpacked
 
 
 class _WindowGroup:
@@ -104,24 +164,34 @@ class _WindowGroup:
         if pushed is not None and (below is None or pushed[0] is not below[0]):
             # Learn what the group saves: swap the pack hook the offloader pushed for one that
             # notes each saved tensor's storage, then calls it (its own __exit__ pops the top
-            # pair, so the stack stays balanced).
+            # pair, so the stack stays balanced); with checksums, the unpack hook too.
             pack, unpack = pushed
             hooks._pop_saved_tensors_default_hooks()
-            hooks._push_saved_tensors_default_hooks(self._noting(pack), unpack)
+            if self.state.checksums:
+                hooks._push_saved_tensors_default_hooks(
+                    self._noting(pack, summed=True), _summing(unpack, self.state)
+                )
+            else:
+                hooks._push_saved_tensors_default_hooks(self._noting(pack), unpack)
         return self
 
-    def _noting(self, pack: Any) -> Any:
+    def _noting(self, pack: Any, *, summed: bool = False) -> Any:
         state, key = self.state, self.key
+        count = iter(range(1 << 62))
 
         def noted(tensor: torch.Tensor) -> Any:
             observer = state.observer
+            record = None
             if observer is not None:
                 observer.saved_by(tensor, key)
+                if summed:
+                    record = _SumRecord(key, next(count), tensor, checksum(tensor))
             previous, state.packing = state.packing, key
             try:
-                return pack(tensor)
+                packed = pack(tensor)
             finally:
                 state.packing = previous
+            return _Summed(packed, record) if summed else packed
 
         return noted
 
@@ -153,9 +223,10 @@ class _WindowGroup:
 class Windowed(Wrapper):
     """``inner`` with a harness window around every group occurrence's forward."""
 
-    def __init__(self, inner: Offloader) -> None:
+    def __init__(self, inner: Offloader, *, checksums: bool = False) -> None:
         super().__init__(inner)
         self.state = _WindowState()
+        self.state.checksums = checksums
 
     def begin_microbatch(self, microbatch: int) -> None:
         self.state.microbatch = microbatch
@@ -224,6 +295,11 @@ class Observed:
     """What one observed step copied."""
 
     copies: list[Copy] = field(default_factory=list)
+    corrupted: list[str] = field(default_factory=list)
+    """With checksums: each saved tensor whose reload's checksum differs from its pack-time
+    one, where it was saved (``_SumRecord.where``), in unpack order."""
+    checksummed: int = 0
+    """With checksums: how many saved tensors were compared (packed and unpacked in the step)."""
     ranged: list[tuple[RangeKey, int]] = field(default_factory=list)
     """On a CPU device: every copy op issued inside one of the offloader's own ranges
     (``harness.offload.ranges.profiler_range``), with the destination's bytes, keyed by the
@@ -269,7 +345,12 @@ class Observed:
                 left[signature] -= 1
             else:
                 kept.append(copy)
-        return Observed(copies=kept, ranged=self.ranged)
+        return Observed(
+            copies=kept,
+            corrupted=self.corrupted,
+            checksummed=self.checksummed,
+            ranged=self.ranged,
+        )
 
 
 def _signature(copy: Copy) -> tuple[Any, ...]:
@@ -307,6 +388,22 @@ class CopyObserver(TorchDispatchMode):
         self.marked: dict[int, weakref.ref[torch.Tensor]] = {}
         """Device storages the model marked not-offloadable (parameters): never saved-by."""
         self.lock = threading.Lock()
+        self.summed: list[_SumRecord] = []
+        """Checksum records whose unpack ran in this step."""
+
+    def compare_checksums(self) -> None:
+        """After the step: one host read of every pack and unpack checksum, mismatches named."""
+        records = [r for r in self.summed if r.packed is not None and r.reloaded is not None]
+        self.observed.checksummed = len(records)
+        if not records:
+            return
+        packed = torch.stack([r.packed for r in records]).cpu()  # type: ignore[misc]
+        reloaded = torch.stack([r.reloaded for r in records]).cpu()  # type: ignore[misc]
+        differs = (packed != reloaded).any(dim=1).tolist()
+        self.observed.corrupted = [
+            r.where() for r, bad in zip(records, differs, strict=True) if bad
+        ]
+        self.summed = []
 
     def _saved_group(self, tensor: torch.Tensor) -> GroupKey | None:
         entry = self.saved.get(_storage(tensor))
@@ -430,4 +527,5 @@ def observe(offloader: Offloader, device: torch.device, sink: list[Observed]) ->
             yield
     finally:
         offloader.state.observer = None
+    mode.compare_checksums()
     sink.append(mode.observed)

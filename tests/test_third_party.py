@@ -418,3 +418,56 @@ def test_te_backend_says_why_it_cannot_run_on_cpu() -> None:
         backend_unavailable("te", CPU) == "TransformerEngine's CPU offloading needs a CUDA device"
     )
     assert "get_cpu_offload_context" in describe("te")
+
+
+def test_checksum_reads_values_in_logical_order_and_sees_one_flipped_bit() -> None:
+    from harness.observe import checksum
+
+    view = torch.randn(6, 4, dtype=torch.bfloat16).t()
+    assert torch.equal(checksum(view), checksum(view.contiguous())), "layout does not matter"
+    flipped = view.contiguous()
+    flipped.view(torch.int16)[1, 2] ^= 1
+    assert not torch.equal(checksum(view), checksum(flipped))
+
+
+def test_checksums_change_nothing_the_run_computes() -> None:
+    """The pack and unpack checksums read every saved tensor; the losses with them on are
+    bitwise those with them off (and both the plain baseline's), and every saved tensor of an
+    observed step is compared."""
+    import contextlib
+
+    from harness.offload.reference import OffloadContext
+    from harness.train import RunHooks, train
+
+    case = SEED_CASE
+    spec, run = case.model_spec("tiny"), case.run_spec()
+    losses, compared = {}, {}
+    for on in (False, True):
+        offloader = Windowed(OffloadContext(case.offload_config(), CPU), checksums=on)
+        seen: list = []
+
+        def every(step: int, off=offloader, seen=seen) -> contextlib.AbstractContextManager:
+            return observe(off, CPU, seen)
+
+        losses[on] = train(spec, run, offloader, CPU, hooks=RunHooks(step_context=every)).losses
+        compared[on] = sum(o.checksummed for o in seen)
+        assert not any(o.corrupted for o in seen)
+        offloader.close()
+    plain = train(spec, run, NoOffload(), CPU).losses
+    assert torch.equal(losses[True], losses[False]) and torch.equal(losses[True], plain)
+    assert compared[False] == 0 and compared[True] > 0
+
+
+def test_a_corrupt_reload_is_named_by_its_checksum_in_the_first_run() -> None:
+    from harness.execute import run_case
+    from harness.offload.broken import SEED
+
+    res = run_case(SEED, Environment(device=CPU, backend="broken.corrupt_reload"))
+    assert res.corrupted, "the flipped bit changes the reloaded tensor's checksum"
+    step, where = res.corrupted[0]
+    assert step == 0 and re.search(r"microbatch \d, layer \d, group \w+, saved tensor \d+", where)
+    assert "shape [" in where and "storage offset" in where
+    problems = judge(
+        SEED, Environment(device=CPU, backend="broken.corrupt_reload"), checks=("equivalence",)
+    ).problems
+    assert any("reloads differ from what was saved" in p for p in problems), problems
