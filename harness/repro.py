@@ -30,6 +30,7 @@ from harness.execute import Environment, first_grad_difference
 from harness.golden import trace_text
 from harness.impls import IMPLS
 from harness.models.hybrid import HybridModel
+from harness.observe import Observed, Windowed, observe
 from harness.offload.backends import resolve_backend
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Offloader
@@ -171,23 +172,39 @@ def model_family_preset(family: str, size: str) -> str:
 # --------------------------------------------------------------------------------- the runs
 
 
-def _progress(label: str, steps: int) -> tuple[RunHooks, Callable[[], None]]:
-    """Run hooks that advance a tqdm bar once per step, and the bar's closer."""
+def _progress(
+    label: str, steps: int, observed: tuple[Windowed, torch.device, list[Observed]] | None = None
+) -> tuple[RunHooks, Callable[[], None]]:
+    """Run hooks that advance a tqdm bar once per step, and the bar's closer; with ``observed``
+    the harness's copy observer (and its checksums) watches every step."""
     bar = tqdm(total=steps, desc=f"{label:>8}", unit="step", leave=False, dynamic_ncols=True)
 
     @contextlib.contextmanager
     def step_context(step: int) -> Iterator[None]:
-        yield
+        with observe(*observed) if observed is not None else contextlib.nullcontext():
+            yield
         bar.update(1)
 
     return RunHooks(step_context=step_context), bar.close
 
 
 def _train(
-    spec: ReproSpec, offloader: Offloader, label: str, *, keep: bool, run: RunSpec | None = None
+    spec: ReproSpec,
+    offloader: Offloader,
+    label: str,
+    *,
+    keep: bool,
+    run: RunSpec | None = None,
+    seen: list[Observed] | None = None,
 ) -> TrainResult:
+    """One run with a progress bar; with ``seen`` the offloader runs inside the harness's
+    windows with checksums, and every step's observation is appended there."""
     run = run or spec.run
-    hooks, close = _progress(label, run.steps)
+    observed = None
+    if seen is not None:
+        offloader = Windowed(offloader, checksums=True)
+        observed = (offloader, spec.device, seen)
+    hooks, close = _progress(label, run.steps, observed)
     try:
         return train(
             spec.model,
@@ -300,14 +317,24 @@ def reproduce(
     say(f"case {spec.case.name} (backend {spec.backend}, {spec.device}, seed {spec.run.seed})")
     plain = _train(spec, NoOffload(), "baseline", keep=True)
     hooks = _train(spec, _hooks_backend(spec), "hooks", keep=False)
-    offload = _train(spec, _backend(spec), "offload", keep=True)
+    seen: list[Observed] = []
+    offload = _train(spec, _backend(spec), "offload", keep=True, seen=seen)
     say(loss_table(plain.losses, offload.losses))
+    corrupted = [(step, where) for step, o in enumerate(seen) for where in o.corrupted]
+    if corrupted:
+        step, where = corrupted[0]
+        say(
+            f"first reload that differs from what was saved (checksums at pack and unpack; "
+            f"{len(corrupted)} of {sum(o.checksummed for o in seen)}): step {step}, {where}"
+        )
+    else:
+        say(f"checksums: all {sum(o.checksummed for o in seen)} reloads equal what was saved")
     tolerance = spec.case.tolerance
     divergence = first_divergence(plain.losses, offload.losses, tolerance)
     say(f"first divergence: {divergence if divergence is not None else 'none'}")
     grad = first_grad_difference(plain, offload)
     weights = first_tensor_difference(plain.final_state, offload.final_state)
-    diverged = divergence is not None or grad is not None or weights is not None
+    diverged = divergence is not None or grad is not None or weights is not None or bool(corrupted)
     if diverged:
         say(_grad_line(grad))
         if weights is not None:

@@ -6,6 +6,7 @@ on one layer. The routing wrapper and the layer-output capture are checked on th
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def test_clean_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*CUSTOM, "--report-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "first divergence: none" in out
+    assert re.search(r"checksums: all [1-9]\d* reloads equal what was saved", out), out
     assert "ulps fp32" in out  # the shared loss table
     bundle = _bundle(tmp_path)
     files = sorted(p.name for p in bundle.iterdir())
@@ -99,6 +101,14 @@ def test_transport_bug_is_reported_and_bisected(
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "first divergence: step 1 microbatch 0" in out
+    # Named in the first run, before any bisection: the checksums at pack and unpack.
+    assert re.search(
+        r"first reload that differs from what was saved \(checksums at pack and unpack; \d+ of "
+        r"\d+\): step 0, microbatch \d, layer \d, group \w+, saved tensor \d+ of the group: "
+        r"shape \[[\d, ]+\], torch\.float32, storage offset \d+",
+        out,
+    ), out
+    assert out.index("first reload that differs") < out.index("bisect:")
     assert "first parameter gradient that differs: step 0," in out
     assert "first layer output that differs at step 1 microbatch 0: layers.0" in out
     assert "plain and hooks baselines agree: transport bug" in out
