@@ -173,17 +173,15 @@ def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[st
     final = f"step {case.steps - 1} (the final step)"
     att = res.attribution
     source = att.source if att is not None else "offloader ranges"
-    if res.mismatches():
-        problems += [f"counted ({source}) vs prediction in {final}:", *res.mismatches()]
-    if res.log_mismatches():
-        problems += [f"offloader log vs counted ({source}) in {final}:", *res.log_mismatches()]
     earlier = "the steps before the final one"
-    if res.step_mismatches():
-        problems += [f"counted (harness windows) vs prediction in {earlier}:"]
-        problems += res.step_mismatches()
-    if res.step_log_mismatches():
-        problems += [f"offloader log vs counted (harness windows) in {earlier}:"]
-        problems += res.step_log_mismatches()
+    for title, lines in (
+        (f"counted ({source}) vs prediction in {final}:", res.mismatches()),
+        (f"offloader log vs counted ({source}) in {final}:", res.log_mismatches()),
+        (f"counted (harness windows) vs prediction in {earlier}:", res.step_mismatches()),
+        (f"offloader log vs counted (harness windows) in {earlier}:", res.step_log_mismatches()),
+    ):
+        if lines:
+            problems += [title, *lines]
     crossed = attribution_mismatches(res, case.steps - 1)
     if crossed:
         problems += ["the offloader's own ranges vs the harness's group windows:", *crossed]
@@ -244,12 +242,13 @@ def disabled_problems(res: CaseRun) -> list[str]:
     runner = total(res.runner_copies[0]) if res.runner_copies else Counts()
     observed = total(res.disabled_observed)
     if observed.copies:
+        inside = sorted({(k.microbatch, k.layer, k.name) for k in res.disabled_observed.by_range})
+        outside = _nonzero(res.disabled_observed.unattributed)
+        where = [f"in {_occurrences(inside)}"] if inside else []
+        where += [f"outside every group window: {outside}"] if outside else []
         return [
             f"step 0 of the run with the offloader disabled still copied: {observed} seen by "
-            "the harness's copy observer, in "
-            + _occurrences(
-                sorted({(k.microbatch, k.layer, k.name) for k in res.disabled_observed.by_range})
-            )
+            f"the harness's copy observer, {'; '.join(where)}"
         ]
     if total(res.disabled) != runner:
         where = [

@@ -160,23 +160,24 @@ def _described(copies: list[Any], limit: int = 12) -> tuple[str, ...]:
     return tuple(f"{c.direction} {c.op} {c.nbytes} B" for c in copies[:limit])
 
 
-def attribute(sink: list[TransferCounts], seen: list[Observed], cuda: bool) -> Attribution:
+def attribute(
+    sink: list[TransferCounts], seen: list[Observed], windows: list[TransferCounts]
+) -> Attribution:
     """Pick the counts the checks read: the offloader's own ranges when it opened any (as the
-    reference and megatron-core's adapter do), else the harness's windows."""
-    mode = "device" if cuda else "cpu"
-    windows = (seen[0].counts(mode), seen[-1].counts(mode))
+    reference and megatron-core's adapter do), else the harness's windows. ``seen`` and
+    ``windows`` are every observed step's copies and their counts by window."""
     profiled = (sink[0], sink[-1])
-    outside = (len(seen[0].outside()), len(seen[-1].outside()))
+    outside = (seen[0].outside(), seen[-1].outside())
     pageable = tuple(sorted({c.group for c in seen[-1].copies if c.pageable and c.group}))
     ranged = any(c.by_range for c in profiled)
     return Attribution(
         source="offloader ranges" if ranged else "harness windows",
         warmup=profiled[0] if ranged else windows[0],
-        final=profiled[1] if ranged else windows[1],
-        windows=windows,
+        final=profiled[1] if ranged else windows[-1],
+        windows=(windows[0], windows[-1]),
         profiled=profiled,
-        outside=outside,
-        outside_copies=(_described(seen[0].outside()), _described(seen[-1].outside())),
+        outside=(len(outside[0]), len(outside[1])),
+        outside_copies=(_described(outside[0]), _described(outside[1])),
         pageable_groups=pageable,
     )
 
@@ -277,33 +278,29 @@ class CaseRun:
     def measured(self) -> dict[GroupKey, dict[str, int]]:
         return self.counts.by_group()
 
-    def expected_fields(self) -> dict[GroupKey, dict[str, int]]:
-        return _fields(self.expected, self.semantics, self.counts.mode)
-
     def mismatches(self) -> list[str]:
         """Group occurrences whose counted copies differ from the prediction, each with the
         rule behind the prediction."""
-        whys = {k: e.why for k, e in self.expected.items() if e.why}
-        step = f"step {self.case.steps - 1}"
-        return _diff(self.expected_fields(), self.measured, "predicted", "measured", whys, step)
+        return self._against(self.expected, self.counts, self.case.steps - 1)
 
     def step_mismatches(self) -> list[str]:
         """Every step but the final one (which ``mismatches`` judges by the offloader's own
         ranges where it opens any): the harness windows' counts per group occurrence against
         the warmup prediction in step 0 and the steady one afterwards, each with its rule."""
-        out = []
-        for step, counts in enumerate(self.per_step[:-1]):
-            expected = self.warmup_expected if step == 0 else self.expected
-            whys = {k: e.why for k, e in expected.items() if e.why}
-            out += _diff(
-                _fields(expected, self.semantics, counts.mode),
-                counts.by_group(),
-                "predicted",
-                "measured",
-                whys,
-                f"step {step}",
+        return [
+            line
+            for step, counts in enumerate(self.per_step[:-1])
+            for line in self._against(
+                self.warmup_expected if step == 0 else self.expected, counts, step
             )
-        return out
+        ]
+
+    def _against(
+        self, expected: dict[GroupKey, Expected], counts: TransferCounts, step: int
+    ) -> list[str]:
+        whys = {k: e.why for k, e in expected.items() if e.why}
+        predicted = _fields(expected, self.semantics, counts.mode)
+        return _diff(predicted, counts.by_group(), "predicted", "measured", whys, f"step {step}")
 
     def step_log_mismatches(self) -> list[str]:
         """Every step but the final one: the offloader's log of that iteration against the
@@ -431,10 +428,8 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             expected = (warmup if step == 0 else steady).get(key)
             return expected is not None and expected.offloaded
 
-        baseline = LayoutBaseline(
-            config, env.device, env.semantics, moves, eval_first=run.eval_first
-        )
-        layout = train(spec, run, baseline, env.device, **kept)
+        copier = LayoutBaseline(config, env.device, env.semantics, moves, eval_first=run.eval_first)
+        layout = train(spec, run, copier, env.device, **kept)
     sink: list[TransferCounts] = []
     seen: list[Observed] = []
     final = warmup if last == 0 else steady  # a one-step run's final step is its warmup
@@ -451,8 +446,10 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             ),
             **kept,
         )
+    mode = "device" if cuda else "cpu"
     mine = [s.without(own[0]) for s in seen]  # every step's
-    attribution = attribute(sink, [mine[0], mine[-1]], cuda)
+    per_step = [m.counts(mode) for m in mine]
+    attribution = attribute(sink, mine, per_step)
     disabled: list[TransferCounts] = []
     disabled_seen: list[Observed] = []
     with _closing(Windowed(env.offloader(config))) as offloader:
@@ -465,6 +462,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             hooks=profile_steps(env.device, {0}, disabled, (offloader, disabled_seen)),
             sharding=case.sharding,
         )
+    baseline = layout or plain  # what the offload run must equal
     result = CaseRun(
         case=case,
         plain=plain,
@@ -475,12 +473,10 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             if layout is None
             else layout_verdict(plain.losses, layout.losses, offload.losses, case.tolerance)
         ),
-        grad_difference=first_grad_difference(layout or plain, offload),
-        weight_difference=first_tensor_difference(
-            (layout or plain).final_state, offload.final_state
-        ),
+        grad_difference=first_grad_difference(baseline, offload),
+        weight_difference=first_tensor_difference(baseline.final_state, offload.final_state),
         layout=layout,
-        per_step=tuple(m.counts("device" if cuda else "cpu") for m in mine),
+        per_step=tuple(per_step),
         corrupted=tuple((step, where) for step, o in enumerate(seen) for where in o.corrupted),
         checksummed=sum(o.checksummed for o in seen),
         warmup_expected=warmup,
@@ -495,7 +491,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         semantics=env.semantics,
         logged=log_by_group(offload.logs[-1].groups) if offload.logs else None,
         disabled=disabled[0],
-        disabled_observed=disabled_seen[0].without(own[0]).counts("device" if cuda else "cpu"),
+        disabled_observed=disabled_seen[0].without(own[0]).counts(mode),
         runner_copies=(plain_sink[0], plain_sink[-1]) if plain_sink else None,
         seconds=time.perf_counter() - start,
     )

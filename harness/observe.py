@@ -41,6 +41,7 @@ profiler's memcpy totals, so such copies show up as a difference.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from collections import Counter, defaultdict
@@ -166,18 +167,15 @@ class _WindowGroup:
             # notes each saved tensor's storage, then calls it (its own __exit__ pops the top
             # pair, so the stack stays balanced); with checksums, the unpack hook too.
             pack, unpack = pushed
-            hooks._pop_saved_tensors_default_hooks()
             if self.state.checksums:
-                hooks._push_saved_tensors_default_hooks(
-                    self._noting(pack, summed=True), _summing(unpack, self.state)
-                )
-            else:
-                hooks._push_saved_tensors_default_hooks(self._noting(pack), unpack)
+                unpack = _summing(unpack, self.state)
+            hooks._pop_saved_tensors_default_hooks()
+            hooks._push_saved_tensors_default_hooks(self._noting(pack), unpack)
         return self
 
-    def _noting(self, pack: Any, *, summed: bool = False) -> Any:
-        state, key = self.state, self.key
-        count = iter(range(1 << 62))
+    def _noting(self, pack: Any) -> Any:
+        state, key, summed = self.state, self.key, self.state.checksums
+        count = itertools.count()
 
         def noted(tensor: torch.Tensor) -> Any:
             observer = state.observer
@@ -239,9 +237,7 @@ class Windowed(Wrapper):
         self.inner.mark_not_offloadable(*tensors)
 
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
-        key = (self.state.microbatch, layer, name)
-        with self.state.lock:
-            self.state.open.append(key)
+        key = self.window_started(layer, name)
         try:
             inner = self.inner.group(name, x, layer=layer)
         except BaseException:
@@ -257,10 +253,13 @@ class Windowed(Wrapper):
     # own manager, ``harness.offload.mcore``) bypasses ``group``; its adapter reports the group
     # boundaries and saved tensors here instead, so the windows are the same.
 
-    def window_started(self, layer: int, name: str) -> None:
-        """A group occurrence of the current microbatch started outside ``group``."""
+    def window_started(self, layer: int, name: str) -> GroupKey:
+        """A group occurrence of the current microbatch started (``group`` opens its window
+        here too); its key."""
+        key = (self.state.microbatch, layer, name)
         with self.state.lock:
-            self.state.open.append((self.state.microbatch, layer, name))
+            self.state.open.append(key)
+        return key
 
     def window_committed(self, name: str) -> None:
         """The latest open occurrence of ``name`` committed."""

@@ -183,12 +183,12 @@ class McoreOffloader:
             self._started(str(name), layer())
             return out
 
-        def group_offload(*args: Any, **kwargs: Any) -> Any:
+        def group_offload(tensor: Any, name: str, *args: Any, **kwargs: Any) -> Any:
             try:
-                out = commit(*args, **kwargs)
+                out = commit(tensor, name, *args, **kwargs)
             finally:
                 if windows is not None:
-                    windows.window_committed(str(kwargs.get("name", args[1] if args[1:] else "")))
+                    windows.window_committed(str(name))
             if self.delays.compute:
                 torch.cuda._sleep(self.delays.compute)
             return out
