@@ -452,6 +452,8 @@ def test_checksums_change_nothing_the_run_computes() -> None:
         losses[on] = train(spec, run, offloader, CPU, hooks=RunHooks(step_context=every)).losses
         compared[on] = sum(o.checksummed for o in seen)
         assert not any(o.corrupted for o in seen)
+        moved = {c.direction for o in seen for c in o.copies if c.group is not None}
+        assert moved == {"d2h", "h2d"}, "the offload happened: copies out and back in windows"
         offloader.close()
     plain = train(spec, run, NoOffload(), CPU).losses
     assert torch.equal(losses[True], losses[False]) and torch.equal(losses[True], plain)
