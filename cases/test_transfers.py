@@ -3,8 +3,9 @@
 The expectation comes from ``harness.predict`` (saved tensors recorded by the hooks baseline,
 the selection and the policies), never from the offloader's own log; the log must then agree
 with the profiler. A run with the offloader disabled must copy nothing; no copy may use
-pageable host memory; only selected groups may move. Decided by ``harness.judge`` (checks
-``transfers``, ``disabled`` and ``fidelity``)."""
+pageable host memory; only selected groups may move; no weight may ever be copied out.
+Decided by ``harness.judge`` (checks ``transfers``, ``disabled``, ``fidelity`` and
+``weights``)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,8 @@ def test_disabled_moves_nothing(case: Case, case_check: Callable[[str, Case], No
 def test_name_fidelity(case: Case, case_check: Callable[[str, Case], None]) -> None:
     """Only selected groups move, and every selected group the prediction moves does."""
     case_check("fidelity", case)
+
+
+def test_no_weight_offloaded(case: Case, case_check: Callable[[str, Case], None]) -> None:
+    """No parameter storage, cast of one or marked tensor is copied out, in any step."""
+    case_check("weights", case)

@@ -295,6 +295,36 @@ def fidelity_problems(case: Case, res: CaseRun, spec: ModelSpec) -> list[str]:
     return problems
 
 
+def weight_problems(res: CaseRun) -> list[str]:
+    """No weight left the device in any step of the offload run: no D2H copied from a
+    parameter's storage (a view of it included), from a cast of a parameter a group saved, or
+    from a tensor the model marked not-offloadable."""
+    if not res.weights_known:
+        return ["the copy observer knew no parameter storage: the check would prove nothing"]
+    if not res.d2h_watched:
+        return ["the offload run copied nothing to the host: the check would prove nothing"]
+    if not res.weight_copies:
+        return []
+    copies = [c for _, c in res.weight_copies]
+    steps = sorted({step for step, _ in res.weight_copies})
+    first = []
+    for step, copy in res.weight_copies:
+        if copy.group is None:
+            where = "outside every group window"
+        else:
+            mb, layer, name = copy.group
+            where = f"group {name} (microbatch {mb}, layer {layer})"
+        line = f"step {step}, {where}: {copy.weight}, {copy.nbytes} B"
+        if line not in first:
+            first.append(line)
+    shown = first[:6] + ([f"... and {len(first) - 6} more"] if len(first) > 6 else [])
+    return [
+        f"{len(copies)} D2H copies of weights ({sum(c.nbytes for c in copies)} B) in steps "
+        f"{steps} of the offload run (of {res.d2h_watched} D2H observed); the first:",
+        *(f"  {line}" for line in shown),
+    ]
+
+
 def memory_problems(res: MemoryResult) -> list[str]:
     """After the last forward the offload run holds exactly the predicted bytes less than the
     baseline (requested bytes; allocated bytes within the measured rounding); the step's peak

@@ -63,7 +63,15 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-RUN_SETTINGS = ("backend", "race_delays", "device", "model_size", "report_dir")
+RUN_SETTINGS = (
+    "backend",
+    "race_delays",
+    "device",
+    "model_size",
+    "report_dir",
+    "cuda_sanitizer",
+    "nvte_cpu_offload_v1",
+)
 """Settings of every subcommand that runs cases (``harness.settings``, as in pytest)."""
 
 
@@ -198,6 +206,7 @@ def _environment(args: argparse.Namespace) -> Environment:
             raise UsageError(str(exc)) from None
     values = {name: getattr(args, name) for name in settings.OPTIONS if hasattr(args, name)}
     resolved = settings.checked(lambda: settings.resolve(values, impl=impl), UsageError)
+    settings.apply(resolved)
     args.backend = resolved.backend
     args.settings = resolved
     return Environment(
@@ -234,6 +243,8 @@ def command_run(args: argparse.Namespace) -> int:
         device=str(env.device),
         matrix=args.matrix if not (args.case or args.pattern or args.offload) else None,
         model_size=env.model_size,
+        nvte_cpu_offload_v1=args.settings.nvte_cpu_offload_v1,
+        cuda_sanitizer=args.settings.cuda_sanitizer,
     )
     records: list[dict[str, Any] | None] = [None] * len(cases)
     start = time.perf_counter()

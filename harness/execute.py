@@ -24,7 +24,7 @@ import torch
 
 from harness.cases import Case
 from harness.compare import Verdict, first_tensor_difference, layout_verdict, verdict
-from harness.observe import Observed, Windowed, observe
+from harness.observe import Copy, Observed, Windowed, observe
 from harness.offload.backends import capabilities, resolve_backend
 from harness.offload.config import OffloadConfig
 from harness.offload.layout import LayoutBaseline
@@ -261,6 +261,14 @@ class CaseRun:
     checksum in the offload run (``harness.observe.checksum``), in order."""
     checksummed: int = 0
     """Saved tensors whose pack and unpack checksums were compared in the offload run."""
+    weight_copies: tuple[tuple[int, Copy], ...] = ()
+    """(step, copy) of every D2H in the offload run whose source is a weight: a parameter's
+    storage, a cast of a parameter a group saved, or a tensor the model marked
+    not-offloadable (``harness.observe.Copy.weight``)."""
+    weights_known: int = 0
+    """Parameter storages the copy observer knew in the offload run (0: the check is blind)."""
+    d2h_watched: int = 0
+    """D2H copies the observer saw in the offload run (the model's own removed)."""
     warmup_expected: dict[GroupKey, Expected] = field(default_factory=dict)
     """The prediction for step 0 (the warmup); ``expected`` holds the steady one."""
     layout: TrainResult | None = None
@@ -436,16 +444,12 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     planned = [(o.layer, o.name) for o in observations if o.microbatch == order[0][1]]
     with _closing(Windowed(env.offloader(config), checksums=True)) as offloader:
         plan_of(offloader, planned)
-        offload = train(
-            spec,
-            run,
-            offloader,
-            env.device,
-            hooks=profile_steps(
-                env.device, {0, last}, sink, (offloader, seen), set(range(run.steps))
-            ),
-            **kept,
+        offload_hooks = profile_steps(
+            env.device, {0, last}, sink, (offloader, seen), set(range(run.steps))
         )
+        offload_hooks.model_ready = offloader.note_model
+        offload = train(spec, run, offloader, env.device, hooks=offload_hooks, **kept)
+        weights_known = len(offloader.state.weights)
     mode = "device" if cuda else "cpu"
     mine = [s.without(own[0]) for s in seen]  # every step's
     per_step = [m.counts(mode) for m in mine]
@@ -478,6 +482,9 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         layout=layout,
         per_step=tuple(per_step),
         corrupted=tuple((step, where) for step, o in enumerate(seen) for where in o.corrupted),
+        weight_copies=tuple((step, c) for step, o in enumerate(mine) for c in o.weight_copies()),
+        weights_known=weights_known,
+        d2h_watched=sum(c.direction == "d2h" for o in mine for c in o.copies),
         checksummed=sum(o.checksummed for o in seen),
         warmup_expected=warmup,
         warmup_transfers=attribution.warmup,

@@ -14,6 +14,8 @@ leaks          nothing saved is left behind after an iteration (needs the offloa
 transfers      per-group copies and bytes of the final step equal the prediction
 disabled       the disabled run copies nothing
 fidelity       only selected groups move, every predicted one does
+weights        no parameter storage (nor a cast of one, nor a marked tensor) is copied out in
+               any step (n-a for a backend declaring that parameters move)
 memory         CUDA: memory after the last forward drops by what the in-flight groups free
 sync           CUDA: no host synchronisation inside the offloader's entry points
 golden         the plain baseline equals this machine's golden trace (``harness.golden``)
@@ -35,10 +37,12 @@ from harness.checks import (
     leak_problems,
     memory_problems,
     transfer_problems,
+    weight_problems,
 )
 from harness.execute import CaseRun, Environment, MemoryResult, memory_unsupported, run_case
 from harness.impls import IMPLS
 from harness.report import case_record, memory_record
+from harness.sanitizer import describe
 
 GUARDED_STEP = 2
 """The steady step the host-sync check guards: the first is the offloader's warmup (its pinned
@@ -71,7 +75,11 @@ class CheckOutcome:
 
 
 def raised(exc: Exception) -> str:
-    """The problem of a check whose runs raised: the exception's type and message."""
+    """The problem of a check whose runs raised: the exception's type and message (a race the
+    CUDA stream sanitizer found: its one-line description, ``harness.sanitizer``)."""
+    race = describe(exc)
+    if race is not None:
+        return race
     return f"the case's runs raised {type(exc).__name__}: {exc}"
 
 
@@ -194,6 +202,31 @@ def _fidelity(runs: CaseRuns) -> CheckOutcome:
     return _from_problems("fidelity", fidelity_problems(runs.case, runs.case_run(), spec))
 
 
+def _weights(runs: CaseRuns) -> CheckOutcome:
+    res = runs.case_run()
+    moved = [c for _, c in res.weight_copies]
+    record = {
+        "weights": {
+            "copies": len(moved),
+            "bytes": sum(c.nbytes for c in moved),
+            "parameter_storages": res.weights_known,
+            "d2h_observed": res.d2h_watched,
+        }
+    }
+    if res.semantics.skip == "none":
+        return CheckOutcome(
+            name="weights",
+            status="n-a",
+            reason=(
+                f"the backend declares that every saved tensor moves, parameters included "
+                f"(Semantics.skip = none): {len(moved)} D2H copies of weights, "
+                f"{sum(c.nbytes for c in moved)} B, in the offload run"
+            ),
+            record=record,
+        )
+    return _from_problems("weights", weight_problems(res), **record)
+
+
 def _memory(runs: CaseRuns) -> CheckOutcome:
     if runs.env.device.type != "cuda":
         return _not_applicable("memory", "needs a CUDA device (the caching allocator's figures)")
@@ -237,6 +270,7 @@ CHECKS: dict[str, Callable[[CaseRuns], CheckOutcome]] = {
     "transfers": _transfers,
     "disabled": _disabled,
     "fidelity": _fidelity,
+    "weights": _weights,
     "memory": _memory,
     "sync": _sync,
     "golden": _golden,
@@ -249,6 +283,7 @@ CASE_TESTS: dict[str, str] = {
     "transfers": "cases/test_transfers.py::test_transfer_counts",
     "disabled": "cases/test_transfers.py::test_disabled_moves_nothing",
     "fidelity": "cases/test_transfers.py::test_name_fidelity",
+    "weights": "cases/test_transfers.py::test_no_weight_offloaded",
     "memory": "cases/test_memory.py::test_memory_after_forward",
     "sync": "cases/test_sync.py::test_no_host_sync",
     "golden": "cases/test_golden.py::test_golden_baseline",

@@ -71,9 +71,6 @@ ENVIRONMENT = {
     "NVTE_FLASH_ATTN": "0",
     "NVTE_FUSED_ATTN": "0",
     "NVTE_UNFUSED_ATTN": "1",
-    # TransformerEngine's v1 CPU-offload code path: the one megatron-core's fine-grained
-    # offloading toggles (megatron's training arguments require it with TE >= 2.10).
-    "NVTE_CPU_OFFLOAD_V1": "1",
     # deterministic_mode=True refuses to build TransformerEngine attention without it.
     "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
     # megatron-core's gate for the op-fuser expert path with SwiGLU (moe_path "fused"); on
@@ -100,6 +97,10 @@ BRIDGED_MODULES = (
 
 def _apply_environment() -> None:
     os.environ.update(ENVIRONMENT)
+    # TransformerEngine's CPU-offload implementation is a setting (``--nvte-cpu-offload-v1``,
+    # exported by ``harness.settings.apply``); unset, its older one: the code path megatron-core's
+    # fine-grained offloading toggles (megatron's training arguments require it, TE >= 2.10).
+    os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "1")
 
 
 def unavailable_reason(device: torch.device | str) -> str | None:
@@ -480,6 +481,8 @@ def train(
         [ddp],
         use_gloo_process_groups=False,
     )
+    if hooks.model_ready is not None:  # after bf16 casting and DDP's buffers moved the weights
+        hooks.model_ready(model)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     config.grad_scale_func = optimizer.scale_loss

@@ -80,6 +80,10 @@ class _WindowState:
         """The group whose saved-tensor pack hook runs now."""
         self.checksums = False
         """Whether observed steps checksum every saved tensor at pack and at unpack."""
+        self.weights: dict[int, list[_Noted]] = {}
+        """Storage address -> every parameter of the run's model in that storage (several where
+        a framework keeps them in one buffer, e.g. megatron-core's DDP), with its byte range
+        (``Windowed.note_model``): a D2H from one of them is a weight offloaded."""
 
     def current(self) -> GroupKey | None:
         with self.lock:
@@ -88,13 +92,25 @@ class _WindowState:
 
 def checksum(tensor: torch.Tensor) -> torch.Tensor | None:
     """A device-side checksum of ``tensor``'s values in logical order, enqueued on the current
-    stream with no host synchronisation: the int64 sums of its bytes and of its even-indexed
-    bytes (a flipped bit, a wrong tensor or a stale buffer changes them; a permutation of whole
-    elements can escape them). None for tensors it cannot read as bytes (sparse, meta)."""
+    stream with no host synchronisation: the int64 sums of its even- and its odd-indexed 32-bit
+    words (its bytes where the size is not a multiple of 8), one reduction kernel. A flipped bit,
+    a wrong tensor or a stale buffer changes them; a permutation of whole words of the same
+    parity can escape them. None for tensors it cannot read as bytes (sparse, meta).
+
+    Its ops bypass every ``__torch_dispatch__`` mode (the copy observer's included): they are
+    the harness's, not the run's, and cost a Python call each through a mode."""
     if tensor.layout != torch.strided or tensor.device.type == "meta":
         return None
-    raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    return torch.stack((raw.sum(dtype=torch.int64), raw[::2].sum(dtype=torch.int64)))
+    with torch._C._DisableTorchDispatch(), torch.no_grad():
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() * flat.element_size() % 8:
+            raw = flat.contiguous().view(torch.uint8)
+            return torch.stack((raw[::2].sum(dtype=torch.int64), raw[1::2].sum(dtype=torch.int64)))
+        try:
+            words = flat.view(torch.int32)
+        except RuntimeError:  # a storage offset the wider element cannot start at
+            words = flat.clone().view(torch.int32)
+        return words.view(-1, 2).sum(dim=0, dtype=torch.int64)
 
 
 class _SumRecord:
@@ -182,6 +198,7 @@ class _WindowGroup:
             record = None
             if observer is not None:
                 observer.saved_by(tensor, key)
+                observer.note_cast(tensor)
                 if summed:
                     record = _SumRecord(key, next(count), tensor, checksum(tensor))
             previous, state.packing = state.packing, key
@@ -229,6 +246,16 @@ class Windowed(Wrapper):
     def begin_microbatch(self, microbatch: int) -> None:
         self.state.microbatch = microbatch
         self.inner.begin_microbatch(microbatch)
+
+    def note_model(self, model: torch.nn.Module) -> None:
+        """The run's model is built: its parameters' storages are the weights no offload may
+        copy out (a sharded parameter by its local shard). The ``model_ready`` run hook."""
+        weights: dict[int, list[_Noted]] = {}
+        for name, param in model.named_parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if local.untyped_storage().nbytes():
+                weights.setdefault(_storage(local), []).append(_Noted(f"parameter {name}", local))
+        self.state.weights = weights
 
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
         observer = self.state.observer
@@ -287,6 +314,10 @@ class Copy:
     """The group occurrence it is attributed to (None: outside every window)."""
     pageable: bool
     thread: int
+    weight: str | None = None
+    """D2H only: the weight its source is (``parameter <name>``, ``a bf16 cast of parameter
+    <name>`` saved by a group, or ``a tensor the model marked not-offloadable``); None for an
+    activation."""
 
 
 @dataclass(kw_only=True)
@@ -332,6 +363,10 @@ class Observed:
     def outside(self) -> list[Copy]:
         return [c for c in self.copies if c.group is None]
 
+    def weight_copies(self) -> list[Copy]:
+        """The D2H copies whose source is a weight (``Copy.weight``)."""
+        return [c for c in self.copies if c.weight is not None]
+
     def without(self, own: Observed) -> Observed:
         """These copies less the model's own: each copy of ``own`` (the same step of a run
         that moves nothing, e.g. a MoE layer's token counts copied to the host inside its
@@ -360,6 +395,38 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+class _Noted:
+    """A weight the observer knows: what to call it, the tensor and its byte range."""
+
+    __slots__ = ("end", "name", "ref", "start")
+
+    def __init__(self, name: str, tensor: torch.Tensor) -> None:
+        self.name, self.ref = name, weakref.ref(tensor)
+        self.start = tensor.data_ptr()
+        self.end = self.start + _nbytes(tensor)
+
+
+def _live(table: dict[int, list[_Noted]], t: torch.Tensor) -> str | None:
+    """What ``table`` calls ``t`` (the entry whose bytes hold ``t``'s first element, else the
+    first entry of its storage) while the tensor it was noted for lives and still owns that
+    memory: a storage freed or resized to nothing (FSDP2's resharded parameters) and reused by
+    an activation is never mistaken for it."""
+    address = _storage(t)
+    live = []
+    for entry in table.get(address, ()):
+        noted = entry.ref()
+        if noted is None:
+            continue
+        storage = noted.untyped_storage()
+        if storage.data_ptr() == address and storage.nbytes():
+            live.append(entry)
+    if not live:
+        return None
+    first = t.data_ptr()
+    holding = next((e for e in live if e.start <= first < e.end), None)
+    return holding.name if holding is not None else f"the storage of {live[0].name}"
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -367,6 +434,12 @@ def _nbytes(t: torch.Tensor) -> int:
 class CopyObserver(TorchDispatchMode):
     """Records the copies between memories of the ops run while it is active (see the module
     docstring); ``state`` gives the forward window open at each copy."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a dynamo-disabling frame unless this says
+        # no; the observed runs are eager, and that wrapper costs more per op than the mode
+        return False
 
     def __init__(self, state: _WindowState, device: torch.device) -> None:
         super().__init__()
@@ -386,6 +459,9 @@ class CopyObserver(TorchDispatchMode):
         by another tensor (the runner's loss, FSDP2's buffers) is never mistaken for it."""
         self.marked: dict[int, weakref.ref[torch.Tensor]] = {}
         """Device storages the model marked not-offloadable (parameters): never saved-by."""
+        self.casts: dict[int, list[_Noted]] = {}
+        """Storages of saved tensors that are casts of a parameter (a bf16 shadow made for the
+        forward), as ``state.weights``."""
         self.lock = threading.Lock()
         self.summed: list[_SumRecord] = []
         """Checksum records whose unpack ran in this step."""
@@ -415,8 +491,39 @@ class CopyObserver(TorchDispatchMode):
                     self.marked[_storage(t)] = weakref.ref(t)
 
     def _is_marked(self, tensor: torch.Tensor) -> bool:
-        ref = self.marked.get(_storage(tensor))
-        return ref is not None and ref() is not None
+        """Whether ``tensor``'s storage is a marked tensor's, while that tensor still owns the
+        memory (FSDP2 frees a layer's unsharded parameters after its forward; an activation
+        allocated at the same address later is no marked tensor)."""
+        address = _storage(tensor)
+        ref = self.marked.get(address)
+        marked = ref() if ref is not None else None
+        if marked is None:
+            return False
+        storage = marked.untyped_storage()
+        return storage.data_ptr() == address and storage.nbytes() > 0
+
+    def note_cast(self, tensor: torch.Tensor) -> None:
+        """A saved tensor made by casting a parameter (its autograd node a copy whose input
+        accumulates into a known parameter) is a weight too."""
+        node = getattr(tensor, "grad_fn", None)
+        if node is None or type(node).__name__ != "ToCopyBackward0":
+            return
+        for parent, _ in node.next_functions:
+            param = getattr(parent, "variable", None)
+            if not isinstance(param, torch.Tensor):
+                continue
+            entry = _live(self.state.weights, param)
+            if entry is not None:
+                with self.lock:
+                    what = f"a {str(tensor.dtype).removeprefix('torch.')} cast of {entry}"
+                    self.casts[_storage(tensor)] = [_Noted(what, tensor)]
+
+    def _weight_of(self, src: torch.Tensor) -> str | None:
+        """What weight ``src`` is (None: an activation)."""
+        found = _live(self.state.weights, src) or _live(self.casts, src)
+        if found is None and self._is_marked(src):
+            found = "a tensor the model marked not-offloadable"
+        return found
 
     def saved_by(self, tensor: torch.Tensor, group: GroupKey) -> None:
         """``group``'s pack hook received ``tensor``."""
@@ -465,7 +572,7 @@ class CopyObserver(TorchDispatchMode):
                 group = self._saved_group(src) or self.state.current()
                 if group is not None:
                     self._wrote(dst, group)
-                self._add("d2h", op, dst, group, not dst.is_pinned())
+                self._add("d2h", op, dst, group, not dst.is_pinned(), self._weight_of(src))
         elif src.device.type == "cpu" and dst.device.type == "cuda":
             with self.lock:
                 group = self.written.get(src.data_ptr())
@@ -485,7 +592,7 @@ class CopyObserver(TorchDispatchMode):
             if group is None:
                 return  # a host copy of no saved tensor, outside every window: not an offload
             self._wrote(dst, group)
-            self._add("d2h", op, dst, group, False)
+            self._add("d2h", op, dst, group, False, self._weight_of(src))
 
     def _wrote(self, dst: torch.Tensor, group: GroupKey) -> None:
         self.written[dst.data_ptr()] = group
@@ -498,9 +605,10 @@ class CopyObserver(TorchDispatchMode):
         dst: torch.Tensor,
         group: GroupKey | None,
         pageable: bool,
+        weight: str | None = None,
     ) -> None:
         self.observed.copies.append(
-            Copy(direction, op, _nbytes(dst), group, pageable, threading.get_ident())
+            Copy(direction, op, _nbytes(dst), group, pageable, threading.get_ident(), weight)
         )
 
 

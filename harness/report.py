@@ -314,6 +314,7 @@ CHECK_COLUMNS = (
     ("transfers", "transfers"),
     ("disabled", "disabled"),
     ("fidelity", "fidelity"),
+    ("weights", "weights"),
     ("memory", "memory"),
     ("sync", "sync"),
     ("golden", "golden"),

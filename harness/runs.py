@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,6 +22,9 @@ class RunHooks:
     """Context manager wrapped around each whole step (e.g. a profiler for the last one)."""
     after_forward: Callable[[int, int], None] | None = None
     """Called with (step, microbatch) right after each forward."""
+    model_ready: Callable[[Any], None] | None = None
+    """Called with the model once it is built, before any forward (the copy observer learns
+    its parameters' storages)."""
 
 
 @dataclass(kw_only=True)

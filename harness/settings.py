@@ -109,6 +109,22 @@ _OPTIONS: tuple[Option, ...] = (
         "share the GPU, each with its own context and cpu_count // N threads)",
     ),
     Option(
+        dest="cuda_sanitizer",
+        switch=True,
+        help="CUDA only: run every case under PyTorch's CUDA stream sanitizer "
+        "(TORCH_CUDA_SANITIZER): an access to a device tensor from one stream while another "
+        "stream's access is not waited for fails the case; it cannot see a pinned host buffer "
+        "read too early (race delays are the tool for that) and makes each op slower",
+    ),
+    Option(
+        dest="nvte_cpu_offload_v1",
+        metavar="0|1",
+        help="TransformerEngine's CPU-offload implementation for megatron-core's models and the "
+        "te backend, exported as NVTE_CPU_OFFLOAD_V1 before TransformerEngine is imported: 1 "
+        "the older one (what megatron's training scripts require with TE >= 2.10), 0 the newer "
+        "one (default: the environment's NVTE_CPU_OFFLOAD_V1, else 1)",
+    ),
+    Option(
         dest="case_timeout",
         metavar="SECONDS",
         help="seconds per case before every thread's stack is dumped and the case fails "
@@ -217,6 +233,39 @@ def _positive_int(name: str, text: str | int) -> int:
     return value
 
 
+def resolve_cuda_sanitizer(wanted: bool, device: torch.device) -> bool:
+    """The sanitizer watches CUDA streams: refused on any other device."""
+    if wanted and device.type != "cuda":
+        raise SettingError(
+            f"--cuda-sanitizer needs a CUDA device (PyTorch's CUDA stream sanitizer watches CUDA "
+            f"streams); the device is {device}"
+        )
+    return wanted
+
+
+def resolve_nvte_cpu_offload_v1(text: str | None) -> str:
+    """0 or 1; unset: the environment's ``NVTE_CPU_OFFLOAD_V1``, else 1."""
+    value = os.environ.get("NVTE_CPU_OFFLOAD_V1", "1") if text in (None, "") else str(text)
+    if value not in ("0", "1"):
+        where = "NVTE_CPU_OFFLOAD_V1 in the environment" if text in (None, "") else "it"
+        raise SettingError(f"--nvte-cpu-offload-v1 must be 0 or 1; {where} is {value!r}")
+    return value
+
+
+def apply(resolved: Settings) -> None:
+    """Make this process, and the workers it spawns from now on, run as ``resolved`` says:
+    export ``NVTE_CPU_OFFLOAD_V1`` (TransformerEngine reads it at its first import) and, with
+    the sanitizer, ``TORCH_CUDA_SANITIZER`` (a spawned worker's torch enables it at import;
+    this process enables it now)."""
+    os.environ["NVTE_CPU_OFFLOAD_V1"] = resolved.nvte_cpu_offload_v1
+    if resolved.cuda_sanitizer:
+        os.environ["TORCH_CUDA_SANITIZER"] = "1"
+        from torch.cuda import _sanitizer as csan
+
+        if csan.cuda_sanitizer is None or not csan.cuda_sanitizer.enabled:
+            csan.enable_cuda_sanitizer()
+
+
 def resolve_case_timeout(text: str | None, device: torch.device) -> float:
     """Seconds per case (0: none); the default depends on the device."""
     if text is None or text == "":
@@ -295,6 +344,10 @@ class Settings:
     report_dir: Path | None
     """Parent of the report folder; None writes no report."""
     update_golden: bool = False
+    cuda_sanitizer: bool = False
+    """Cases run under PyTorch's CUDA stream sanitizer (``apply``)."""
+    nvte_cpu_offload_v1: str = "1"
+    """``NVTE_CPU_OFFLOAD_V1`` for TransformerEngine (``apply`` exports it)."""
     jobs: int | None = None
     """As given (None: the device's default); ``resolve_jobs`` caps it by the number of cases."""
     case_timeout: float = 0.0
@@ -330,6 +383,8 @@ def resolve(values: Mapping[str, Any], *, impl: str | None = None) -> Settings:
         model_size=resolve_model_size(get("model_size"), device),
         report_dir=resolve_report_dir(get("report_dir")),
         update_golden=bool(get("update_golden")),
+        cuda_sanitizer=resolve_cuda_sanitizer(bool(get("cuda_sanitizer")), device),
+        nvte_cpu_offload_v1=resolve_nvte_cpu_offload_v1(get("nvte_cpu_offload_v1")),
         jobs=None if values.get("jobs") in (None, "") else _positive_int("jobs", values["jobs"]),
         case_timeout=resolve_case_timeout(values.get("case_timeout"), device),
     )

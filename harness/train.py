@@ -199,6 +199,8 @@ def train_harness(
     else:
         model = prepare_model(spec, run, device)
         optimizer = _Optimizer(model, run, master_copies=run.precision == "bf16")
+    if hooks.model_ready is not None:
+        hooks.model_ready(model)
     shard = distributed.rank() if sharding == "zero3" else 0
     data = make_batches(
         spec, seed=run.seed, steps=run.steps, microbatches=run.microbatches, shard=shard

@@ -51,6 +51,7 @@ def test_cli_and_pytest_options_come_from_one_table(pytestconfig: pytest.Config)
         ("--family", "theirs", "--family must be one of harness, mcore, all; got 'theirs'"),
         ("--matrix", "nightly", "--matrix must be one of default, full; got 'nightly'"),
         ("--backend", "nope", "--backend: unknown backend 'nope'"),
+        ("--nvte-cpu-offload-v1", "2", "--nvte-cpu-offload-v1 must be 0 or 1; it is '2'"),
     ],
 )
 def test_bad_value_is_the_same_one_line_error_in_cli_and_pytest(
@@ -125,6 +126,67 @@ def test_race_delays_need_cuda_in_cli_and_pytest(
         result = pytester.runpytest("-p", "harness.plugin", "--device", "cpu", *argv)
         assert result.ret == pytest.ExitCode.USAGE_ERROR
         assert message in result.stderr.str()
+
+
+def test_cuda_sanitizer_needs_cuda_in_cli_and_pytest(
+    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    message = "--cuda-sanitizer needs a CUDA device"
+    assert cli.main(["run", "--device", "cpu", "--cuda-sanitizer"]) == 2
+    assert message in capsys.readouterr().err
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest("-p", "harness.plugin", "--device", "cpu", "--cuda-sanitizer")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert message in result.stderr.str()
+
+
+def test_nvte_cpu_offload_v1_defaults_to_the_environment_then_1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
+    assert settings.resolve({"device": "cpu"}).nvte_cpu_offload_v1 == "1"
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "0")
+    resolved = settings.resolve({"device": "cpu"})
+    assert resolved.nvte_cpu_offload_v1 == "0"
+    assert (
+        settings.resolve({"device": "cpu", "nvte_cpu_offload_v1": "1"}).nvte_cpu_offload_v1 == "1"
+    )
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "yes")
+    with pytest.raises(settings.SettingError, match="NVTE_CPU_OFFLOAD_V1 in the environment"):
+        settings.resolve({"device": "cpu"})
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
+    settings.apply(resolved)  # exported for TransformerEngine's first import
+    import os
+
+    assert os.environ["NVTE_CPU_OFFLOAD_V1"] == "0"
+
+
+def test_a_sanitizer_race_is_one_line_naming_streams_ops_and_frames() -> None:
+    import traceback
+
+    from torch.cuda import _sanitizer as csan
+
+    from harness.judge import raised
+
+    def access(kind: csan.AccessType, stream: int, op: str, where: str) -> csan.Access:
+        frame = traceback.FrameSummary(where, 12, "reload")
+        stack = traceback.StackSummary.from_list([frame])
+        return csan.Access(kind, 1, stream, op, ["self"], False, stack)
+
+    error = csan.UnsynchronizedAccessError(
+        1234,
+        None,
+        access(csan.AccessType.READ, 7, "aten::mm", "/repo/harness/models/layers.py"),
+        access(csan.AccessType.WRITE, 9, "aten::copy_", "/repo/harness/offload/reference.py"),
+    )
+    line = raised(csan.CUDASanitizerErrors([error, error]))
+    assert "\n" not in line
+    assert line == (
+        "the CUDA stream sanitizer found 2 possible data race(s); the first, on the device "
+        "tensor at data pointer 1234: stream 7 reads it in aten::mm "
+        "(/repo/harness/models/layers.py:12 reload) without waiting for stream 9's write in "
+        "aten::copy_ (/repo/harness/offload/reference.py:12 reload)"
+    )
 
 
 def test_empty_report_dir_writes_nothing_in_run_and_pytest(

@@ -473,3 +473,54 @@ def test_a_corrupt_reload_is_named_by_its_checksum_in_the_first_run() -> None:
         SEED, Environment(device=CPU, backend="broken.corrupt_reload"), checks=("equivalence",)
     ).problems
     assert any("reloads differ from what was saved" in p for p in problems), problems
+
+
+def test_the_weights_check_names_a_parameter_copied_out() -> None:
+    from harness.offload.broken import SEED
+
+    judgement = judge(SEED, Environment(device=CPU, backend="broken.offloads_weights"))
+    outcome = next(o for o in judgement.outcomes if o.name == "weights")
+    assert outcome.status == "fail", judgement.problems
+    assert re.search(r"\d+ D2H copies of weights \(\d+ B\) in steps \[0, ", outcome.problems[0])
+    assert any(
+        re.search(r"step 0, group attn_proj \(microbatch 0, layer 0\): parameter layers\.0\.", p)
+        for p in outcome.problems
+    ), outcome.problems
+    assert outcome.record["weights"]["copies"] > 0
+
+
+def test_the_weights_check_passes_the_reference_and_proves_it_watched() -> None:
+    from harness.offload.broken import SEED
+
+    judgement = judge(SEED, Environment(device=CPU, backend="reference"), checks=("weights",))
+    (outcome,) = judgement.outcomes
+    assert outcome.status == "pass", outcome.problems
+    seen = outcome.record["weights"]
+    assert seen["copies"] == 0 and seen["parameter_storages"] > 0 and seen["d2h_observed"] > 0
+
+
+def test_save_on_cpu_declares_that_weights_move_and_the_check_says_how_many() -> None:
+    judgement = judge(ROW, Environment(device=CPU, backend="save-on-cpu"), checks=("weights",))
+    (outcome,) = judgement.outcomes
+    assert outcome.status == "n-a"
+    assert re.search(r"Semantics\.skip = none\): [1-9]\d* D2H copies of weights", outcome.reason)
+
+
+def test_a_cast_of_a_parameter_saved_by_a_group_is_a_weight() -> None:
+    """A bf16 shadow made in the forward (``weight.to(bf16)``) and saved inside a group: the
+    observer knows it as a cast of the parameter, so a D2H of it is a weight copy."""
+    state_model = torch.nn.Linear(4, 4)
+    offloader = Windowed(NoOffload())
+    offloader.note_model(state_model)
+    seen: list = []
+    with observe(offloader, CPU, seen):
+        mode = offloader.state.observer
+        assert mode is not None
+        shadow = state_model.weight.to(torch.bfloat16)
+        mode.note_cast(shadow)
+        with offloader.group("attn_proj", torch.zeros(1), layer=0):
+            torch.empty_like(shadow).copy_(shadow)
+            torch.empty_like(state_model.bias).copy_(state_model.bias)
+    (observed,) = seen
+    weights = sorted(c.weight for c in observed.weight_copies())
+    assert weights == ["a bfloat16 cast of parameter weight", "parameter bias"], weights

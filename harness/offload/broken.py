@@ -44,7 +44,16 @@ LONG_DELAY = 20_000_000
 
 NO_DELAYS = RaceDelays()
 
-CHECKS = ("equivalence", "leaks", "transfers", "disabled", "fidelity", "memory", "sync")
+CHECKS = (
+    "equivalence",
+    "leaks",
+    "transfers",
+    "disabled",
+    "fidelity",
+    "weights",
+    "memory",
+    "sync",
+)
 """Check names (``harness.checks``) a catalogue entry can name as its catcher."""
 
 
@@ -417,6 +426,23 @@ class ExtraRoundTrip(OffloadContext):
         super()._h2d_copy(group, restored, buffer)
 
 
+class OffloadsWeights(OffloadContext):
+    """Parameter marks ignored: every weight a group saves (a linear's weight, a view of one)
+    is copied out and back with the activations (cf. TransformerEngine's CPU offload before
+    weights were tagged do-not-offload; Megatron's scripts require ``NVTE_CPU_OFFLOAD_V1=1``
+    with TE >= 2.10 "to avoid offloading weights"; megatron-core 0.19's object check lets a
+    view of a parameter through).
+
+    Values stay right (the weight comes back unchanged) and its own log counts the extra
+    copies. Caught by the weights check (naming the parameter) and by transfer counts.
+    """
+
+    name = "broken.offloads_weights"
+
+    def _is_marked(self, tensor: torch.Tensor) -> bool:
+        return False
+
+
 class Pageable(OffloadContext):
     """Pageable host buffers (bugs list, Megatron's pinned pool; TE v2 pins every buffer).
 
@@ -706,6 +732,13 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="STYLE rule 14; save_on_cpu double copies",
         cpu=True,
         catchers=(("transfers", SEED),),
+    ),
+    BrokenBackend(
+        factory=OffloadsWeights,
+        bug_class="weights offloaded with the activations (parameter marks ignored)",
+        reference="TE CPU offload before do-not-offload weight tags; megatron-core 0.19",
+        cpu=True,
+        catchers=(("weights", SEED), ("transfers", SEED)),
     ),
     BrokenBackend(
         factory=Pageable,
