@@ -498,7 +498,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         semantics=env.semantics,
         logged=log_by_group(offload.logs[-1].groups) if offload.logs else None,
         disabled=disabled[0],
-        disabled_observed=disabled_seen[0].without(own[0]).counts(mode),
+        disabled_observed=disabled_seen[0].without(own[0], any_window=True).counts(mode),
         runner_copies=(plain_sink[0], plain_sink[-1]) if plain_sink else None,
         seconds=time.perf_counter() - start,
     )

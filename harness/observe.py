@@ -154,7 +154,7 @@ def _summing(unpack: Any, state: _WindowState) -> Any:
             if isinstance(tensor, torch.Tensor):
                 record.reloaded = checksum(tensor)
                 with observer.lock:
-                    observer.summed.append(record)
+                    observer.observed.summed.append(record)
         return tensor
 
     return unpacked
@@ -325,11 +325,45 @@ class Observed:
     """What one observed step copied."""
 
     copies: list[Copy] = field(default_factory=list)
-    corrupted: list[str] = field(default_factory=list)
-    """With checksums: each saved tensor whose reload's checksum differs from its pack-time
-    one, where it was saved (``_SumRecord.where``), in unpack order."""
-    checksummed: int = 0
-    """With checksums: how many saved tensors were compared (packed and unpacked in the step)."""
+    summed: list[_SumRecord] = field(default_factory=list)
+    """With checksums: the records of the saved tensors packed and unpacked in the step, their
+    checksums still on the device until ``corrupted`` or ``checksummed`` is first read (after
+    the run: no host read inside a step or a profiled region)."""
+    _compared: tuple[list[str], int] | None = None
+
+    @property
+    def corrupted(self) -> list[str]:
+        """With checksums: each saved tensor whose reload's checksum differs from its pack-time
+        one, where it was saved (``_SumRecord.where``), in unpack order."""
+        return self._compare()[0]
+
+    @property
+    def checksummed(self) -> int:
+        """With checksums: how many saved tensors were compared (packed and unpacked in the
+        step)."""
+        return self._compare()[1]
+
+    def _compare(self) -> tuple[list[str], int]:
+        """One host read per device of every pack and unpack checksum, mismatches named (a
+        saved tensor may live on the host, e.g. a MoE layer's token counts)."""
+        if self._compared is None:
+            records = [r for r in self.summed if r.packed is not None and r.reloaded is not None]
+            bad: set[int] = set()
+            by_device: dict[torch.device, list[int]] = defaultdict(list)
+            for i, record in enumerate(records):
+                by_device[record.packed.device].append(i)  # type: ignore[union-attr]
+            for indices in by_device.values():
+                packed = torch.stack([records[i].packed for i in indices])  # type: ignore[misc]
+                reloaded = torch.stack(
+                    [records[i].reloaded.to(packed.device) for i in indices]  # type: ignore[union-attr]
+                )
+                packed, reloaded = packed.cpu(), reloaded.cpu()
+                differs = (packed != reloaded).any(dim=1).tolist()
+                bad.update(i for i, d in zip(indices, differs, strict=True) if d)
+            self._compared = ([r.where() for i, r in enumerate(records) if i in bad], len(records))
+            self.summed = []
+        return self._compared
+
     ranged: list[tuple[RangeKey, int]] = field(default_factory=list)
     """On a CPU device: every copy op issued inside one of the offloader's own ranges
     (``harness.offload.ranges.profiler_range``), with the destination's bytes, keyed by the
@@ -367,28 +401,26 @@ class Observed:
         """The D2H copies whose source is a weight (``Copy.weight``)."""
         return [c for c in self.copies if c.weight is not None]
 
-    def without(self, own: Observed) -> Observed:
+    def without(self, own: Observed, *, any_window: bool = False) -> Observed:
         """These copies less the model's own: each copy of ``own`` (the same step of a run
         that moves nothing, e.g. a MoE layer's token counts copied to the host inside its
-        group's window) removes one copy with the same group, direction, op and bytes."""
-        left = Counter(_signature(c) for c in own.copies)
+        group's window) removes one copy with the same group, direction, op and bytes.
+        ``any_window``: the group may differ (a run with the offloader disabled, where a model
+        driving its offloader's groups itself opens no window, so its own copies land outside
+        every one)."""
+        left = Counter(_signature(c, any_window) for c in own.copies)
         kept = []
         for copy in self.copies:
-            signature = _signature(copy)
+            signature = _signature(copy, any_window)
             if left[signature]:
                 left[signature] -= 1
             else:
                 kept.append(copy)
-        return Observed(
-            copies=kept,
-            corrupted=self.corrupted,
-            checksummed=self.checksummed,
-            ranged=self.ranged,
-        )
+        return Observed(copies=kept, ranged=self.ranged, _compared=self._compare())
 
 
-def _signature(copy: Copy) -> tuple[Any, ...]:
-    return copy.group, copy.direction, copy.op, copy.nbytes
+def _signature(copy: Copy, any_window: bool = False) -> tuple[Any, ...]:
+    return None if any_window else copy.group, copy.direction, copy.op, copy.nbytes
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -463,22 +495,6 @@ class CopyObserver(TorchDispatchMode):
         """Storages of saved tensors that are casts of a parameter (a bf16 shadow made for the
         forward), as ``state.weights``."""
         self.lock = threading.Lock()
-        self.summed: list[_SumRecord] = []
-        """Checksum records whose unpack ran in this step."""
-
-    def compare_checksums(self) -> None:
-        """After the step: one host read of every pack and unpack checksum, mismatches named."""
-        records = [r for r in self.summed if r.packed is not None and r.reloaded is not None]
-        self.observed.checksummed = len(records)
-        if not records:
-            return
-        packed = torch.stack([r.packed for r in records]).cpu()  # type: ignore[misc]
-        reloaded = torch.stack([r.reloaded for r in records]).cpu()  # type: ignore[misc]
-        differs = (packed != reloaded).any(dim=1).tolist()
-        self.observed.corrupted = [
-            r.where() for r, bad in zip(records, differs, strict=True) if bad
-        ]
-        self.summed = []
 
     def _saved_group(self, tensor: torch.Tensor) -> GroupKey | None:
         entry = self.saved.get(_storage(tensor))
@@ -634,5 +650,4 @@ def observe(offloader: Offloader, device: torch.device, sink: list[Observed]) ->
             yield
     finally:
         offloader.state.observer = None
-    mode.compare_checksums()
     sink.append(mode.observed)
