@@ -20,7 +20,7 @@ import torch
 from harness.cases import Case
 from harness.compare import first_divergence, loss_table
 from harness.execute import CaseRun, Environment, MemoryResult, attribution_mismatches, total
-from harness.predict import GroupKey, predict
+from harness.predict import SIMPLEST, GroupKey, predict
 from harness.repro import case_command
 from harness.spec import ModelSpec
 from harness.train import schedule_order
@@ -318,11 +318,22 @@ def weight_problems(res: CaseRun) -> list[str]:
         if line not in first:
             first.append(line)
     shown = first[:6] + ([f"... and {len(first) - 6} more"] if len(first) > 6 else [])
-    return [
+    problems = [
         f"{len(copies)} D2H copies of weights ({sum(c.nbytes for c in copies)} B) in steps "
         f"{steps} of the offload run (of {res.d2h_watched} D2H observed); the first:",
         *(f"  {line}" for line in shown),
     ]
+    if res.semantics is SIMPLEST:
+        problems.append(
+            "  (the backend declares no semantics; one that moves parameters by design declares "
+            "Semantics(skip='none'), and this check then reports its weight copies as n-a)"
+        )
+    elif res.semantics.skip == "object":
+        problems.append(
+            f"  ({res.semantics.label}: only Parameter objects and marked tensors stay, so a "
+            f"view of a parameter that autograd saves is offloaded)"
+        )
+    return problems
 
 
 def memory_problems(res: MemoryResult) -> list[str]:

@@ -41,6 +41,7 @@ from harness.checks import (
 )
 from harness.execute import CaseRun, Environment, MemoryResult, memory_unsupported, run_case
 from harness.impls import IMPLS
+from harness.predict import SIMPLEST
 from harness.report import case_record, memory_record
 from harness.sanitizer import describe
 
@@ -213,7 +214,7 @@ def _weights(runs: CaseRuns) -> CheckOutcome:
             "d2h_observed": res.d2h_watched,
         }
     }
-    if res.semantics.skip == "none":
+    if res.semantics.skip == "none" and res.semantics is not SIMPLEST:
         return CheckOutcome(
             name="weights",
             status="n-a",

@@ -9,9 +9,11 @@ check that read the run fails with ``describe``'s line.
 
 What it does not see: host memory. A pinned host buffer read by an H2D before its D2H finished
 (Megatron-LM #7398) or rewritten while an H2D still reads it is a race between two copies on
-host memory the sanitizer does not track; race delays (``--race-delays``) widen those windows
-until the values show it. It also knows only ops that pass PyTorch's dispatcher (a kernel an
-extension launches itself is unseen) and slows every op down (a Python call per op).
+host memory the sanitizer does not track; nor a device source freed while its D2H still reads
+it (the caching allocator hands the block to a new tensor and the sanitizer starts afresh
+there). Race delays (``--race-delays``) widen those windows until the values show them. It also
+knows only ops that pass PyTorch's dispatcher (a kernel an extension launches itself is unseen)
+and slows every op down (a Python call per op).
 """
 
 from __future__ import annotations
