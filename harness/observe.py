@@ -33,6 +33,11 @@ How a copy is attributed to a group occurrence
     still the prefetched group's; an H2D from memory no observed D2H wrote is ``outside``.
     Bytes are the destination's ``numel * element_size``.
 
+Weights: ``Windowed.note_model`` (the ``model_ready`` run hook) gives the observer every
+parameter's storage when the run's model is built; a D2H whose source lies in one, in a cast of a
+parameter a group saved (its autograd node a copy of the parameter), or in a tensor the model
+marked not-offloadable carries ``Copy.weight`` (the weights check fails on it).
+
 What it cannot see: copies that bypass the dispatcher (a C++/CUDA extension calling
 ``cudaMemcpyAsync`` itself). On CUDA the transfer check compares the observer's totals with the
 profiler's memcpy totals, so such copies show up as a difference.
@@ -330,6 +335,11 @@ class Observed:
     checksums still on the device until ``corrupted`` or ``checksummed`` is first read (after
     the run: no host read inside a step or a profiled region)."""
     _compared: tuple[list[str], int] | None = None
+    ranged: list[tuple[RangeKey, int]] = field(default_factory=list)
+    """On a CPU device: every copy op issued inside one of the offloader's own ranges
+    (``harness.offload.ranges.profiler_range``), with the destination's bytes, keyed by the
+    innermost range open on the issuing thread - what the profiler's CPU-mode counter counts
+    (``harness.transfers``), read without a profiler."""
 
     @property
     def corrupted(self) -> list[str]:
@@ -363,12 +373,6 @@ class Observed:
             self._compared = ([r.where() for i, r in enumerate(records) if i in bad], len(records))
             self.summed = []
         return self._compared
-
-    ranged: list[tuple[RangeKey, int]] = field(default_factory=list)
-    """On a CPU device: every copy op issued inside one of the offloader's own ranges
-    (``harness.offload.ranges.profiler_range``), with the destination's bytes, keyed by the
-    innermost range open on the issuing thread - what the profiler's CPU-mode counter counts
-    (``harness.transfers``), read without a profiler."""
 
     def ranged_counts(self) -> TransferCounts:
         """The copies inside the offloader's own ranges (CPU device), as the profiler counter's
@@ -470,7 +474,7 @@ class CopyObserver(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps a mode's __torch_dispatch__ in a dynamo-disabling frame unless this says
-        # no; the observed runs are eager, and that wrapper costs more per op than the mode
+        # no: two more Python calls per op; the observed runs are eager, never compiled
         return False
 
     def __init__(self, state: _WindowState, device: torch.device) -> None:
