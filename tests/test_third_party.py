@@ -524,3 +524,21 @@ def test_a_cast_of_a_parameter_saved_by_a_group_is_a_weight() -> None:
     (observed,) = seen
     weights = sorted(c.weight for c in observed.weight_copies())
     assert weights == ["a bfloat16 cast of parameter weight", "parameter bias"], weights
+
+
+def test_parameters_sharing_one_buffer_are_named_by_the_bytes_a_copy_reads() -> None:
+    """megatron-core's DDP keeps every parameter in one buffer: a copy of the first one's view
+    is named after the first, not after whichever parameter was noted last."""
+    buffer = torch.zeros(8)
+    model = torch.nn.Module()
+    model.first = torch.nn.Parameter(buffer[:4].view(2, 2))
+    model.second = torch.nn.Parameter(buffer[4:].view(2, 2))
+    assert model.first.untyped_storage().data_ptr() == model.second.untyped_storage().data_ptr()
+    offloader = Windowed(NoOffload())
+    offloader.note_model(model)
+    assert len(offloader.state.weights) == 1, "one storage, two parameters in it"
+    seen: list = []
+    with observe(offloader, CPU, seen), offloader.group("core_attn", torch.zeros(1), layer=0):
+        torch.empty(2, 2).copy_(model.first)
+    (observed,) = seen
+    assert [c.weight for c in observed.weight_copies()] == ["parameter first"]
