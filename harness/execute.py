@@ -24,7 +24,7 @@ import torch
 
 from harness.cases import Case
 from harness.compare import Verdict, first_tensor_difference, layout_verdict, verdict
-from harness.observe import Copy, Observed, Windowed, observe
+from harness.observe import Copy, Observed, Windowed, corrupted_reloads, observe
 from harness.offload.backends import capabilities, resolve_backend
 from harness.offload.config import OffloadConfig
 from harness.offload.layout import LayoutBaseline
@@ -481,7 +481,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         weight_difference=first_tensor_difference(baseline.final_state, offload.final_state),
         layout=layout,
         per_step=tuple(per_step),
-        corrupted=tuple((step, where) for step, o in enumerate(seen) for where in o.corrupted),
+        corrupted=tuple(corrupted_reloads(seen)),
         weight_copies=tuple((step, c) for step, o in enumerate(mine) for c in o.weight_copies()),
         weights_known=weights_known,
         d2h_watched=sum(c.direction == "d2h" for o in mine for c in o.copies),

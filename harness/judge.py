@@ -205,23 +205,21 @@ def _fidelity(runs: CaseRuns) -> CheckOutcome:
 
 def _weights(runs: CaseRuns) -> CheckOutcome:
     res = runs.case_run()
-    moved = [c for _, c in res.weight_copies]
-    record = {
-        "weights": {
-            "copies": len(moved),
-            "bytes": sum(c.nbytes for c in moved),
-            "parameter_storages": res.weights_known,
-            "d2h_observed": res.d2h_watched,
-        }
+    seen = {
+        "copies": len(res.weight_copies),
+        "bytes": sum(c.nbytes for _, c in res.weight_copies),
+        "parameter_storages": res.weights_known,
+        "d2h_observed": res.d2h_watched,
     }
+    record = {"weights": seen}
     if res.semantics.skip == "none" and res.semantics is not SIMPLEST:
         return CheckOutcome(
             name="weights",
             status="n-a",
             reason=(
                 f"the backend declares that every saved tensor moves, parameters included "
-                f"(Semantics.skip = none): {len(moved)} D2H copies of weights, "
-                f"{sum(c.nbytes for c in moved)} B, in the offload run"
+                f"(Semantics.skip = none): {seen['copies']} D2H copies of weights, "
+                f"{seen['bytes']} B, in the offload run"
             ),
             record=record,
         )

@@ -423,6 +423,12 @@ class Observed:
         return Observed(copies=kept, ranged=self.ranged, _compared=self._compare())
 
 
+def corrupted_reloads(seen: Sequence[Observed]) -> list[tuple[int, str]]:
+    """(step, where) of every reload whose checksum differs from its pack-time one, over a
+    run's observed steps in order (``Observed.corrupted``)."""
+    return [(step, where) for step, observed in enumerate(seen) for where in observed.corrupted]
+
+
 def _signature(copy: Copy, any_window: bool = False) -> tuple[Any, ...]:
     return None if any_window else copy.group, copy.direction, copy.op, copy.nbytes
 
@@ -442,20 +448,22 @@ class _Noted:
         self.end = self.start + _nbytes(tensor)
 
 
+def _owns(noted: torch.Tensor | None, address: int) -> bool:
+    """Whether the tensor noted at ``address`` still lives and still owns that memory (not
+    freed, not resized to nothing and the address reused by another tensor)."""
+    if noted is None:
+        return False
+    storage = noted.untyped_storage()
+    return storage.data_ptr() == address and storage.nbytes() > 0
+
+
 def _live(table: dict[int, list[_Noted]], t: torch.Tensor) -> str | None:
     """What ``table`` calls ``t`` (the entry whose bytes hold ``t``'s first element, else the
     first entry of its storage) while the tensor it was noted for lives and still owns that
     memory: a storage freed or resized to nothing (FSDP2's resharded parameters) and reused by
     an activation is never mistaken for it."""
     address = _storage(t)
-    live = []
-    for entry in table.get(address, ()):
-        noted = entry.ref()
-        if noted is None:
-            continue
-        storage = noted.untyped_storage()
-        if storage.data_ptr() == address and storage.nbytes():
-            live.append(entry)
+    live = [entry for entry in table.get(address, ()) if _owns(entry.ref(), address)]
     if not live:
         return None
     first = t.data_ptr()
@@ -516,11 +524,7 @@ class CopyObserver(TorchDispatchMode):
         allocated at the same address later is no marked tensor)."""
         address = _storage(tensor)
         ref = self.marked.get(address)
-        marked = ref() if ref is not None else None
-        if marked is None:
-            return False
-        storage = marked.untyped_storage()
-        return storage.data_ptr() == address and storage.nbytes() > 0
+        return _owns(ref() if ref is not None else None, address)
 
     def note_cast(self, tensor: torch.Tensor) -> None:
         """A saved tensor made by casting a parameter (its autograd node a copy whose input

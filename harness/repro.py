@@ -30,7 +30,7 @@ from harness.execute import Environment, first_grad_difference
 from harness.golden import trace_text
 from harness.impls import IMPLS
 from harness.models.hybrid import HybridModel
-from harness.observe import Observed, Windowed, observe
+from harness.observe import Observed, Windowed, corrupted_reloads, observe
 from harness.offload.backends import resolve_backend
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Offloader
@@ -320,7 +320,7 @@ def reproduce(
     seen: list[Observed] = []
     offload = _train(spec, _backend(spec), "offload", keep=True, seen=seen)
     say(loss_table(plain.losses, offload.losses))
-    corrupted = [(step, where) for step, o in enumerate(seen) for where in o.corrupted]
+    corrupted = corrupted_reloads(seen)
     if corrupted:
         step, where = corrupted[0]
         say(
