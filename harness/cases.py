@@ -152,6 +152,14 @@ class Case:
             parts.append("evalfirst")
         return "_".join(parts)
 
+    @property
+    def work(self) -> float:
+        """A rough relative cost of the case's trainings, for scheduling only (longest first):
+        layers x steps x microbatches, three times that under sharding (FSDP2's gathers and
+        reduce-scatters are a layer's compute again on the 2-core CPU machine and on one GPU)."""
+        work = len(self.pattern) * self.steps * self.microbatches
+        return work * (3.0 if self.sharding != "none" else 1.0)
+
     def model_spec(self, size: str) -> ModelSpec:
         spec = model_spec(self.family, size).replace(impl=self.impl)
         return spec.replace(pattern=self.custom_pattern) if self.custom_pattern else spec

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -22,8 +23,15 @@ from typing import Any
 
 import torch
 
+from harness import distributed
 from harness.cases import Case
-from harness.compare import Verdict, first_tensor_difference, layout_verdict, verdict
+from harness.compare import (
+    Verdict,
+    first_divergence,
+    first_tensor_difference,
+    layout_verdict,
+    verdict,
+)
 from harness.observe import Copy, Observed, Windowed, corrupted_reloads, observe
 from harness.offload.backends import capabilities, resolve_backend
 from harness.offload.config import OffloadConfig
@@ -102,36 +110,39 @@ def profile_steps(
     watches the ``observed`` steps (default: the same; they must include them). On a CPU
     device with an observer no profiler runs: the observer reads the offloader's own ranges
     itself (``Observed.ranged_counts``, the profiler counter's CPU-mode record; a profiler
-    costs about a third of a case there)."""
+    costs about a third of a case there).
+
+    A profiler covers the whole step; the observer covers the microbatches (``compute_context``),
+    where every call into the offloader is made: the runner's gradient copies and optimizer step
+    after them run no offloader code (on CUDA a memcpy issued there is still in the profile,
+    unattributed, so it is reported), and skipping them saves a quarter of the observed ops."""
     watched = steps if observed is None else observed
 
     def context(step: int) -> contextlib.AbstractContextManager[object]:
-        profiled, seen = step in steps, observer is not None and step in watched
-        if not profiled and not seen:
+        if step not in steps:
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        if profiled and (observer is None or device.type == "cuda"):
-            stack.enter_context(_profiled(device, sink))
-        elif profiled:  # entered first, so it exits after the observer has appended its record
-            assert observer is not None
-            stack.enter_context(_ranged(sink, observer[1]))
-        if seen:
-            assert observer is not None
-            stack.enter_context(observe(observer[0], device, observer[1]))
-        return stack
+        if observer is None or device.type == "cuda":
+            return _profiled(device, sink)
+        return _ranged(sink, observer[1])  # exits after the observer appended its record
 
-    return RunHooks(step_context=context)
+    def compute(step: int) -> contextlib.AbstractContextManager[object]:
+        if observer is None or step not in watched:
+            return contextlib.nullcontext()
+        return observe(observer[0], device, observer[1])
+
+    return RunHooks(step_context=context, compute_context=compute)
 
 
 def observe_steps(
     device: torch.device, steps: set[int], offloader: Windowed, seen: list[Observed]
 ) -> RunHooks:
-    """Run hooks in which the harness's copy observer alone watches the listed steps."""
+    """Run hooks in which the harness's copy observer alone watches the listed steps'
+    microbatches."""
 
-    def context(step: int) -> contextlib.AbstractContextManager[object]:
+    def compute(step: int) -> contextlib.AbstractContextManager[object]:
         return observe(offloader, device, seen) if step in steps else contextlib.nullcontext()
 
-    return RunHooks(step_context=context)
+    return RunHooks(compute_context=compute)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,6 +285,10 @@ class CaseRun:
     layout: TrainResult | None = None
     """The layout baseline, for a backend declaring contiguous reloads
     (``harness.offload.layout``): the offload run is compared with it instead of ``plain``."""
+    plain_key: str = ""
+    """``plain_key`` of the case: rows with the same one share one plain run."""
+    plain_made_by: str = ""
+    """The case whose run trained the plain baseline (this one's name, or an earlier row's)."""
     seconds: float = 0.0
 
     @property
@@ -393,24 +408,17 @@ def attribution_mismatches(res: CaseRun, final_step: int) -> list[str]:
 
 
 def run_case(case: Case, env: Environment) -> CaseRun:
-    """The plain and hooks baselines, the offload run (warmup and final steps profiled) and a
-    disabled run; the prediction from the hooks run's records. A backend declaring contiguous
+    """The plain baseline, the hooks baseline's first training iteration (all of it when the
+    offload run's losses differ from the plain baseline's, to classify the difference), the
+    offload run (every step observed) and a disabled run; the prediction from the hooks run's
+    records. A backend declaring contiguous
     reloads gets a layout baseline too, made after the prediction that decides its copies."""
     start = time.perf_counter()
     spec, run, config = env.spec(case), case.run_spec(), case.offload_config()
     kept = dict(keep_grads=True, keep_final_state=True, sharding=case.sharding)
-    plain_sink: list[TransferCounts] = []
     cuda = env.device.type == "cuda"
-    plain = train(
-        spec,
-        run,
-        NoOffload(),
-        env.device,
-        # The runner's own copies only matter on CUDA (on CPU only copies inside offload
-        # ranges are counted); profiling costs seconds per step on the CPU machine.
-        hooks=profile_steps(env.device, {0, run.steps - 1}, plain_sink) if cuda else None,
-        **kept,
-    )
+    shared = plain_baseline(case, env)
+    plain, plain_sink = shared.result, shared.runner_copies
     recorder = RecordingOffloader(config, env.device)
     # Observed too, in step 0: the copies the model makes itself inside group windows (moving
     # nothing, the hooks baseline's copies are all the model's) are not the offloader's. They
@@ -418,9 +426,11 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     own: list[Observed] = []
     windowed = Windowed(recorder)
     last = run.steps - 1
+    # Only its first training iteration is read (the records, the model's own copies), unless
+    # the offload run differs from its baseline: then every step, for the diagnosis below.
     hooks = train(
         spec,
-        run,
+        run.replace(steps=1),
         windowed,
         env.device,
         hooks=observe_steps(env.device, {0}, windowed, own),
@@ -467,6 +477,9 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             sharding=case.sharding,
         )
     baseline = layout or plain  # what the offload run must equal
+    if layout is None and first_divergence(plain.losses, offload.losses, case.tolerance):
+        full = Windowed(RecordingOffloader(config, env.device))
+        hooks = train(spec, run, full, env.device, sharding=case.sharding)
     result = CaseRun(
         case=case,
         plain=plain,
@@ -499,13 +512,81 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         logged=log_by_group(offload.logs[-1].groups) if offload.logs else None,
         disabled=disabled[0],
         disabled_observed=disabled_seen[0].without(own[0], any_window=True).counts(mode),
-        runner_copies=(plain_sink[0], plain_sink[-1]) if plain_sink else None,
+        runner_copies=plain_sink,
+        plain_key=shared.key,
+        plain_made_by=shared.made_by,
         seconds=time.perf_counter() - start,
     )
-    for run_result in (plain, offload, layout):  # compared; drop the copies (GBs on GPUs)
+    # Compared: drop the copies (GBs on GPUs); the shared plain result keeps its own until the
+    # next key replaces it.
+    result.plain = dataclasses.replace(plain, grads=[], final_state={})
+    for run_result in (offload, layout):
         if run_result is not None:
             run_result.grads, run_result.final_state = [], {}
     return result
+
+
+@dataclass(frozen=True)
+class SharedPlain:
+    """A plain baseline and what identifies it: every row with the same ``key`` trains the same
+    plain run, so the first one's serves them all (``plain_baseline``)."""
+
+    key: str
+    """A digest of what the plain run depends on (``plain_key``)."""
+    made_by: str
+    """The case whose run trained it."""
+    result: TrainResult
+    runner_copies: tuple[TransferCounts, TransferCounts] | None
+    """Profiler counts of its first and final steps on CUDA (None on CPU)."""
+
+
+_PLAIN: dict[str, SharedPlain] = {}
+"""This process's latest plain baseline (one entry): rows sharing a key run one after another
+(one pytest-xdist group per key, one worker call per key in ``offload-harness run``)."""
+
+
+def forget_plain_baselines() -> None:
+    """Drop this process's shared plain baseline (a test that changes how runs train)."""
+    _PLAIN.clear()
+
+
+def plain_key(case: Case, env: Environment) -> str:
+    """What a case's plain baseline depends on - the model spec, the run spec (steps,
+    microbatches, schedule, precision, seed, evaluation pass, optimizer), the sharding, the
+    device and the world size - as a 12-digit digest; never the offload selection, the
+    tolerance or the backend: the plain run has no offloader."""
+    parts = (env.spec(case), case.run_spec(), case.sharding, str(env.device))
+    text = repr((*parts, distributed.world_size()))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def plain_baseline(case: Case, env: Environment) -> SharedPlain:
+    """The case's plain baseline: the one this process trained last if its key is the same,
+    else trained now (and kept in its place)."""
+    key = plain_key(case, env)
+    found = _PLAIN.get(key)
+    if found is not None:
+        return found
+    _PLAIN.clear()
+    spec, run = env.spec(case), case.run_spec()
+    sink: list[TransferCounts] = []
+    result = train(
+        spec,
+        run,
+        NoOffload(),
+        env.device,
+        # The runner's own copies only matter on CUDA (on CPU only copies inside offload
+        # ranges are counted); profiling costs seconds per step on the CPU machine.
+        hooks=profile_steps(env.device, {0, run.steps - 1}, sink)
+        if env.device.type == "cuda"
+        else None,
+        keep_grads=True,
+        keep_final_state=True,
+        sharding=case.sharding,
+    )
+    shared = SharedPlain(key, case.name, result, (sink[0], sink[-1]) if sink else None)
+    _PLAIN[key] = shared
+    return shared
 
 
 @contextlib.contextmanager

@@ -537,7 +537,9 @@ def train(
             with context:
                 ddp.zero_grad_buffer()
                 optimizer.zero_grad()
-                one_pass(step, data[step], forward_only=False)
+                compute = hooks.compute_context(step) if hooks.compute_context else None
+                with compute or contextlib.nullcontext():
+                    one_pass(step, data[step], forward_only=False)
                 if keep_grads:
                     grads.append(_main_grads(named))
                 optimizer.step()

@@ -361,6 +361,7 @@ def case_record(res: Any) -> dict[str, Any]:
             **({"layout": res.layout.losses.tolist()} if res.layout is not None else {}),
         },
         "baseline": "layout" if res.layout is not None else "plain",
+        "plain_baseline": {"key": res.plain_key, "made_by": res.plain_made_by},
         "equivalence": res.verdict.kind,
         "equivalence_message": res.verdict.message,
         "warmup_transfers": {

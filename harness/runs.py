@@ -20,6 +20,10 @@ class RunHooks:
 
     step_context: Callable[[int], contextlib.AbstractContextManager[object]] | None = None
     """Context manager wrapped around each whole step (e.g. a profiler for the last one)."""
+    compute_context: Callable[[int], contextlib.AbstractContextManager[object]] | None = None
+    """Context manager wrapped around a step's microbatches only - their forwards, backwards
+    and the iteration's end, every call into the offloader - inside ``step_context``; the
+    runner's own bookkeeping after them (gradient copies, the optimizer step) is outside it."""
     after_forward: Callable[[int, int], None] | None = None
     """Called with (step, microbatch) right after each forward."""
     model_ready: Callable[[Any], None] | None = None

@@ -1,7 +1,9 @@
 """How ``offload-harness run`` runs its cases so that the run survives its own failures.
 
-* Every case runs in a spawned worker process (``harness.parallel``), ``jobs`` at a time, so a
-  case that hangs or crashes cannot take the run with it.
+* Every case runs in a worker process (``harness.parallel``), ``jobs`` at a time, so a
+  case that hangs or crashes cannot take the run with it. The rows that share a plain baseline
+  (``harness.execute.plain_key``) go to one worker in one call, which trains that baseline once;
+  the calls start longest first.
 * An exception inside a case is that case's failed verdict (``error: Type: message``); the
   traceback goes to ``<report folder>/errors/<case>.txt``; the other cases still run.
 * ``--case-timeout`` (the setting pytest uses too) arms ``faulthandler`` in the worker: past it,
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cases import Case
-from harness.execute import Environment
+from harness.execute import Environment, plain_key
 from harness.judge import judge
 from harness.parallel import kill_pool, worker_pool
 
@@ -80,6 +82,30 @@ def run_case(
     return record, time.perf_counter() - began
 
 
+def run_bundle(
+    cases: list[Case], env: Environment, update_golden: bool, timeout: float, dumps: list[str]
+) -> list[tuple[dict[str, Any], float]]:
+    """``run_case`` for each of ``cases`` (rows sharing one plain baseline, which the first one
+    trains and the others reuse), in order, in one worker."""
+    return [
+        run_case(case, env, update_golden, timeout, dump)
+        for case, dump in zip(cases, dumps, strict=True)
+    ]
+
+
+def _bundles(cases: list[Case], env: Environment, indices: list[int]) -> list[list[int]]:
+    """``indices`` grouped by plain baseline (``harness.execute.plain_key``), the groups
+    longest first: a long case started last would leave the other workers idle at the end."""
+    groups: dict[str, list[int]] = {}
+    for index in indices:
+        try:
+            key = plain_key(cases[index], env)
+        except ValueError:  # it fails in its worker, alone
+            key = cases[index].name
+        groups.setdefault(key, []).append(index)
+    return sorted(groups.values(), key=lambda group: -sum(cases[i].work for i in group))
+
+
 def run_cases(
     cases: list[Case],
     env: Environment,
@@ -112,25 +138,37 @@ def run_cases(
         on_record(index, record, seconds)
 
     while pending:
-        pool = worker_pool(min(jobs, len(pending)), env.device)
-        futures: dict[Future[Any], int] = {}
-        for index in pending:
-            began.setdefault(index, time.perf_counter())
-            call = (cases[index], env, update_golden, timeout, str(dumps[index]))
-            futures[pool.submit(run_case, *call)] = index
+        bundles = _bundles(cases, env, pending)
+        pool = worker_pool(min(jobs, len(bundles)), env.device)
+        futures: dict[Future[Any], list[int]] = {}
+        for bundle in bundles:
+            for index in bundle:
+                began.setdefault(index, time.perf_counter())
+            call = (
+                [cases[i] for i in bundle],
+                env,
+                update_golden,
+                timeout,
+                [str(dumps[i]) for i in bundle],
+            )
+            futures[pool.submit(run_bundle, *call)] = bundle
         broken = False
         try:
             for future in as_completed(futures):
-                index = futures[future]
+                bundle = futures[future]
                 try:
-                    record, seconds = future.result()
+                    results = future.result()
                 except BrokenProcessPool:
                     broken = True
                     break
                 except Exception as exc:  # e.g. a result that cannot be pickled back
-                    record = error_record(cases[index], f"error: {type(exc).__name__}: {exc}")
-                    seconds = time.perf_counter() - began[index]
-                finish(index, record, seconds)
+                    problem = f"error: {type(exc).__name__}: {exc}"
+                    results = [
+                        (error_record(cases[i], problem), time.perf_counter() - began[i])
+                        for i in bundle
+                    ]
+                for index, (record, seconds) in zip(bundle, results, strict=True):
+                    finish(index, record, seconds)
         except BaseException:
             kill_pool(pool)
             raise

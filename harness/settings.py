@@ -182,7 +182,7 @@ def _choice(name: str, value: str, allowed: Iterable[str]) -> str:
 def resolve_device(text: str) -> torch.device:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` -> a device with an index on CUDA.
 
-    Does not initialise CUDA in this process (worker processes are spawned and a parent that only
+    Does not initialise CUDA in this process (worker processes come from a forkserver and a parent that only
     names the device must stay forkable): ``cuda`` is the current device, which is 0 until
     something initialises CUDA."""
     import torch
@@ -253,10 +253,11 @@ def resolve_nvte_cpu_offload_v1(text: str | None) -> str:
 
 
 def apply(resolved: Settings) -> None:
-    """Make this process, and the workers it spawns from now on, run as ``resolved`` says:
-    export ``NVTE_CPU_OFFLOAD_V1`` (TransformerEngine reads it at its first import) and, with
-    the sanitizer, ``TORCH_CUDA_SANITIZER`` (a spawned worker's torch enables it at import;
-    this process enables it now)."""
+    """Make this process, and the workers of the pools it makes from now on, run as
+    ``resolved`` says: export ``NVTE_CPU_OFFLOAD_V1`` (TransformerEngine reads it at its first
+    import) and, with the sanitizer, ``TORCH_CUDA_SANITIZER`` (a worker takes the variables
+    and enables the sanitizer on start, ``harness.parallel.use_share``; this process enables it
+    now)."""
     os.environ["NVTE_CPU_OFFLOAD_V1"] = resolved.nvte_cpu_offload_v1
     if resolved.cuda_sanitizer:
         os.environ["TORCH_CUDA_SANITIZER"] = "1"

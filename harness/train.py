@@ -214,7 +214,9 @@ def train_harness(
     for step in range(run.steps):
         context = hooks.step_context(step) if hooks.step_context else contextlib.nullcontext()
         with context:
-            _run_step(model, offloader, data[step], losses[step], order, run, step, hooks)
+            compute = hooks.compute_context(step) if hooks.compute_context else None
+            with compute or contextlib.nullcontext():
+                _run_step(model, offloader, data[step], losses[step], order, run, step, hooks)
             if keep_grads:
                 grads.append(
                     {n: _local(p.grad).detach().clone() for n, p in model.named_parameters()}

@@ -175,7 +175,7 @@ def probe_backend(spec: str, device: torch.device) -> None:
     On CPU, and on CUDA in a process that has initialised CUDA already, the factory is called
     here (the built-ins cost microseconds on CPU; on CUDA the reference takes its two copy
     streams from PyTorch's stream pool). A process that has not initialised CUDA must stay
-    without it (the CLI's parent only names the device; its cases run in spawned workers), so
+    without it (the CLI's parent only names the device; its cases run in worker processes), so
     on CUDA there the probe runs in one child Python process with this one's ``sys.path`` (a
     few seconds: it imports torch and makes a CUDA context of its own). A child that sees no
     CUDA device, dies or outlasts ``PROBE_TIMEOUT_S`` proves nothing, and the run goes ahead."""

@@ -1,0 +1,93 @@
+"""The worker pool (``harness.parallel``) and the shared plain baseline
+(``harness.execute.plain_baseline``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.cases import default_matrix
+from harness.execute import Environment, plain_baseline, plain_key, run_case
+from harness.parallel import worker_pool
+
+CPU = torch.device("cpu")
+
+
+def _seen() -> tuple[str | None, str, bool, bool]:
+    import torch.cuda
+
+    return (
+        os.environ.get("OFFLOAD_HARNESS_TEST_VAR"),
+        os.getcwd(),
+        "/offload-harness-test-path" in sys.path,
+        torch.cuda.is_initialized(),
+    )
+
+
+def test_a_worker_inherits_what_the_parent_has_when_its_pool_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forkserver may have started with an earlier pool; a worker of a later pool still
+    sees the parent's variables, directory and import path of that moment."""
+    with worker_pool(1) as pool:  # starts the forkserver (if no earlier test did)
+        pool.submit(os.getpid).result()
+    monkeypatch.setenv("OFFLOAD_HARNESS_TEST_VAR", "later")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend("/offload-harness-test-path")
+    with worker_pool(2) as pool:
+        seen = pool.submit(_seen).result()
+    assert seen == ("later", str(tmp_path), True, False)
+
+
+def _rows() -> tuple:
+    rows = default_matrix()
+    by_key: dict[str, list] = {}
+    env = Environment(device=CPU)
+    for row in rows:
+        by_key.setdefault(plain_key(row, env), []).append(row)
+    return next(group for group in by_key.values() if len(group) > 1)
+
+
+def test_plain_key_depends_on_the_run_not_on_the_offload_selection() -> None:
+    env = Environment(device=CPU)
+    first, second = _rows()[:2]
+    assert first.offload != second.offload and plain_key(first, env) == plain_key(second, env)
+    assert plain_key(first.replace(steps=5), env) != plain_key(first, env)
+    assert plain_key(first.replace(precision="fp32"), env) != plain_key(first, env)
+    assert plain_key(first.replace(sharding="zero3"), env) != plain_key(first, env)
+    assert plain_key(first, Environment(device=CPU, model_size="small")) != plain_key(first, env)
+    assert plain_key(first, Environment(device=CPU, backend="hooks")) == plain_key(first, env)
+
+
+def test_rows_sharing_a_key_share_one_plain_run_and_judge_alike() -> None:
+    """The second row reuses the first's plain run (named in its record) and gets the verdict
+    a fresh plain run gives it; a passing row's hooks baseline ran its first iteration only."""
+    env = Environment(device=CPU)
+    first, second = _rows()[:2]
+    a = run_case(first, env)
+    b = run_case(second, env)
+    assert (a.plain_made_by, b.plain_made_by) == (first.name, first.name)
+    assert a.plain_key == b.plain_key
+    assert torch.equal(a.plain.losses, b.plain.losses)
+    assert b.verdict.ok and b.hooks.losses.shape[0] == 1
+    assert plain_baseline(second, env).made_by == first.name
+    from harness.execute import forget_plain_baselines
+
+    forget_plain_baselines()
+    fresh = run_case(second, env)
+    assert fresh.plain_made_by == second.name
+    assert torch.equal(fresh.plain.losses, b.plain.losses)
+    assert torch.equal(fresh.offload.losses, b.offload.losses)
+
+
+def test_a_mismatch_gets_every_step_of_the_hooks_baseline() -> None:
+    """The classification (graph change or transport) compares the hooks baseline in every
+    step, so a row whose offload losses differ trains it in full."""
+    row = _rows()[0]
+    res = run_case(row, Environment(device=CPU, backend="broken.corrupt_reload"))
+    assert not res.verdict.ok and res.verdict.kind == "transport"
+    assert res.hooks.losses.shape == res.plain.losses.shape
