@@ -182,8 +182,8 @@ def _choice(name: str, value: str, allowed: Iterable[str]) -> str:
 def resolve_device(text: str) -> torch.device:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` -> a device with an index on CUDA.
 
-    Does not initialise CUDA in this process (worker processes come from a forkserver and a parent that only
-    names the device must stay forkable): ``cuda`` is the current device, which is 0 until
+    Does not initialise CUDA in this process (its workers come from a forkserver, and a parent
+    that only names the device keeps every CUDA use in them): ``cuda`` is the current device, which is 0 until
     something initialises CUDA."""
     import torch
 
