@@ -183,8 +183,8 @@ def resolve_device(text: str) -> torch.device:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` -> a device with an index on CUDA.
 
     Does not initialise CUDA in this process (its workers come from a forkserver, and a parent
-    that only names the device keeps every CUDA use in them): ``cuda`` is the current device, which is 0 until
-    something initialises CUDA."""
+    that only names the device keeps every CUDA use in them): ``cuda`` is the current device,
+    which is 0 until something initialises CUDA."""
     import torch
 
     value = text.strip() if isinstance(text, str) else text

@@ -18,8 +18,8 @@ none`` turns them off; ``d2h=N,h2d=N,compute=N`` sets them for all). Exit code 0
 broken offloader was caught (or, with ``--repeat-correct``, when no pass raised an alarm).
 
 ``--jobs N`` runs N worker processes (``harness.parallel``; default: one per core on CPU, 1 on
-CUDA), each with cpu_count // N intra-op threads. On CUDA the N workers share the one GPU, each with its own
-CUDA context on the same device (``cuda`` or ``cuda:<index>``); the parent never initialises
+CUDA), each with cpu_count // N intra-op threads. On CUDA the N workers share the one GPU, each
+with its own CUDA context on the same device (``cuda`` or ``cuda:<index>``); the parent never initialises
 CUDA. Cases are independent and every check reads its own process's state (allocator stats,
 profiler, sync guard), so only their timing changes. ``--repeat-correct`` keeps one pool for
 all passes and queues them back to back; each pass line gives the wall time since the previous
