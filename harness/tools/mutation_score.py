@@ -19,12 +19,12 @@ broken offloader was caught (or, with ``--repeat-correct``, when no pass raised 
 
 ``--jobs N`` runs N worker processes (``harness.parallel``; default: one per core on CPU, 1 on
 CUDA), each with cpu_count // N intra-op threads. On CUDA the N workers share the one GPU, each
-with its own CUDA context on the same device (``cuda`` or ``cuda:<index>``); the parent never initialises
-CUDA. Cases are independent and every check reads its own process's state (allocator stats,
-profiler, sync guard), so only their timing changes. ``--repeat-correct`` keeps one pool for
-all passes and queues them back to back; each pass line gives the wall time since the previous
-pass ended (with one job: the pass's own time), the last line the total wall time and case
-runs.
+with its own CUDA context on the same device (``cuda`` or ``cuda:<index>``); the parent never
+initialises CUDA. Cases are independent and every check reads its own process's state
+(allocator stats, profiler, sync guard), so only their timing changes. ``--repeat-correct``
+keeps one pool for all passes and queues them back to back; each pass line gives the wall time
+since the previous pass ended (with one job: the pass's own time), the last line the total wall
+time and case runs.
 """
 
 from __future__ import annotations
