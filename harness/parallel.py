@@ -1,13 +1,13 @@
 """The one worker pool of the CLI and the tools: worker processes, each with its share of the
 cores and, on CUDA, the run's device as its current one.
 
-Workers are forked from a forkserver (``multiprocessing``'s): a fresh process that imported
-torch, the harness and FSDP2 once (``PRELOAD``) and never touches CUDA, so every worker starts
-with them imported - about 2.5 s of CPU each on the 2-core CPU machine, and pools of later
-passes (``mutation-score --repeat-correct``) start at once. Never forked from the parent: a
-child forked from a process that initialised CUDA cannot use it. Each worker takes the
+Workers are forked from a forkserver (``multiprocessing``'s, ``harness.forkserver``): a fresh
+process that imported torch, the harness and FSDP2 once and never touches CUDA, so every worker
+starts with them imported - about 2.5 s of CPU each on the 2-core CPU machine - and pools of
+later passes (``mutation-score --repeat-correct``) start at once. Never forked from the parent:
+a child forked from a process that initialised CUDA cannot use it. Each worker takes the
 parent's environment variables, current directory and import path as they are when its pool
-is made (``use_share``), as a spawned one would: the forkserver started with the first pool's.
+is made (``use_share``), as a spawned one would, whenever the forkserver started.
 On CUDA several workers share the GPU, each with its own context; every check reads only its
 own process's state (allocator statistics, profiler, sync guard), so cases do not disturb each
 other, only their timing.
@@ -26,15 +26,12 @@ from typing import Any
 
 import torch
 
+from harness import forkserver
+
 
 def threads_per_worker(jobs: int) -> int:
     """Intra-op threads of one of ``jobs`` workers: more would spin against the others'."""
     return max(1, (os.cpu_count() or 1) // jobs)
-
-
-PRELOAD = ("torch", "harness.session", "harness.tools.mutation_score", "torch.distributed.fsdp")
-"""What the forkserver imports before it forks any worker: what every case needs, and FSDP2
-(1.3 s to import on the 2-core CPU machine, needed by the ZeRO-3 rows)."""
 
 
 @dataclass(frozen=True)
@@ -83,11 +80,9 @@ def use_share(
 def worker_pool(jobs: int, device: torch.device | None = None) -> ProcessPoolExecutor:
     """``jobs`` workers forked from the forkserver, each initialised by ``use_share`` with
     what it inherits now."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOAD))
     return ProcessPoolExecutor(
         jobs,
-        mp_context=context,
+        mp_context=forkserver.context(),
         initializer=use_share,
         initargs=(jobs, device, Inherited.now()),
     )
