@@ -411,8 +411,9 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     """The plain baseline, the hooks baseline's first training iteration (all of it when the
     offload run's losses differ from the plain baseline's, to classify the difference), the
     offload run (every step observed) and a disabled run; the prediction from the hooks run's
-    records. A backend declaring contiguous
-    reloads gets a layout baseline too, made after the prediction that decides its copies."""
+    records. The plain baseline is shared with the rows of the same ``plain_key``. A backend
+    declaring contiguous reloads gets a layout baseline too, made after the prediction that
+    decides its copies."""
     start = time.perf_counter()
     spec, run, config = env.spec(case), case.run_spec(), case.offload_config()
     kept = dict(keep_grads=True, keep_final_state=True, sharding=case.sharding)
@@ -477,7 +478,8 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             sharding=case.sharding,
         )
     baseline = layout or plain  # what the offload run must equal
-    if layout is None and first_divergence(plain.losses, offload.losses, case.tolerance):
+    diverged = first_divergence(plain.losses, offload.losses, case.tolerance) is not None
+    if layout is None and diverged:
         full = Windowed(RecordingOffloader(config, env.device))
         hooks = train(spec, run, full, env.device, sharding=case.sharding)
     result = CaseRun(
