@@ -289,6 +289,9 @@ class CaseRun:
     """``plain_key`` of the case: rows with the same one share one plain run."""
     plain_made_by: str = ""
     """The case whose run trained the plain baseline (this one's name, or an earlier row's)."""
+    run_seconds: dict[str, float] = field(default_factory=dict)
+    """Host seconds of each run (``plain``, ``hooks``, ``layout``, ``offload``, ``disabled``),
+    where the case's time goes."""
     seconds: float = 0.0
 
     @property
@@ -418,7 +421,9 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     spec, run, config = env.spec(case), case.run_spec(), case.offload_config()
     kept = dict(keep_grads=True, keep_final_state=True, sharding=case.sharding)
     cuda = env.device.type == "cuda"
-    shared = plain_baseline(case, env)
+    seconds: dict[str, float] = {}
+    with _timed(seconds, "plain"):  # ~0 when an earlier row's is reused
+        shared = plain_baseline(case, env)
     plain, plain_sink = shared.result, shared.runner_copies
     recorder = RecordingOffloader(config, env.device)
     # Observed too, in step 0: the copies the model makes itself inside group windows (moving
@@ -429,14 +434,15 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     last = run.steps - 1
     # Only its first training iteration is read (the records, the model's own copies), unless
     # the offload run differs from its baseline: then every step, for the diagnosis below.
-    hooks = train(
-        spec,
-        run.replace(steps=1),
-        windowed,
-        env.device,
-        hooks=observe_steps(env.device, {0}, windowed, own),
-        sharding=case.sharding,
-    )
+    with _timed(seconds, "hooks"):
+        hooks = train(
+            spec,
+            run.replace(steps=1),
+            windowed,
+            env.device,
+            hooks=observe_steps(env.device, {0}, windowed, own),
+            sharding=case.sharding,
+        )
     observations = recorder.iterations[int(run.eval_first)]  # the first training iteration
     order = schedule_order(run.schedule, run.microbatches)
     warmup, steady = predict(observations, config, order, env.semantics)
@@ -448,7 +454,8 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             return expected is not None and expected.offloaded
 
         copier = LayoutBaseline(config, env.device, env.semantics, moves, eval_first=run.eval_first)
-        layout = train(spec, run, copier, env.device, **kept)
+        with _timed(seconds, "layout"):
+            layout = train(spec, run, copier, env.device, **kept)
     sink: list[TransferCounts] = []
     seen: list[Observed] = []
     final = warmup if last == 0 else steady  # a one-step run's final step is its warmup
@@ -459,7 +466,8 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             env.device, {0, last}, sink, (offloader, seen), set(range(run.steps))
         )
         offload_hooks.model_ready = offloader.note_model
-        offload = train(spec, run, offloader, env.device, hooks=offload_hooks, **kept)
+        with _timed(seconds, "offload"):
+            offload = train(spec, run, offloader, env.device, hooks=offload_hooks, **kept)
         weights_known = len(offloader.state.weights)
     mode = "device" if cuda else "cpu"
     mine = [s.without(own[0]) for s in seen]  # every step's
@@ -467,7 +475,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     attribution = attribute(sink, mine, per_step)
     disabled: list[TransferCounts] = []
     disabled_seen: list[Observed] = []
-    with _closing(Windowed(env.offloader(config))) as offloader:
+    with _closing(Windowed(env.offloader(config))) as offloader, _timed(seconds, "disabled"):
         offloader.set_enabled(False)
         train(
             spec,
@@ -481,7 +489,8 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     diverged = first_divergence(plain.losses, offload.losses, case.tolerance) is not None
     if layout is None and diverged:
         full = Windowed(RecordingOffloader(config, env.device))
-        hooks = train(spec, run, full, env.device, sharding=case.sharding)
+        with _timed(seconds, "hooks"):
+            hooks = train(spec, run, full, env.device, sharding=case.sharding)
     result = CaseRun(
         case=case,
         plain=plain,
@@ -517,6 +526,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         runner_copies=plain_sink,
         plain_key=shared.key,
         plain_made_by=shared.made_by,
+        run_seconds=seconds,
         seconds=time.perf_counter() - start,
     )
     # Compared: drop the copies (GBs on GPUs); the shared plain result keeps its own until the
@@ -589,6 +599,16 @@ def plain_baseline(case: Case, env: Environment) -> SharedPlain:
     shared = SharedPlain(key, case.name, result, (sink[0], sink[-1]) if sink else None)
     _PLAIN[key] = shared
     return shared
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall seconds to ``seconds[name]``."""
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - began, 3)
 
 
 @contextlib.contextmanager

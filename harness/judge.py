@@ -24,6 +24,7 @@ golden         the plain baseline equals this machine's golden trace (``harness.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,13 +113,17 @@ class CaseRuns:
         self.update_golden = update_golden
         self.golden_variant = golden_variant or golden.variant(env.model_size)
         self._made: dict[str, Any] = {}
+        self.seconds: dict[str, float] = {}
+        """Wall seconds of each made run (``case``, ``memory``, ``sync``)."""
 
     def _once(self, name: str, make: Callable[[], Any]) -> Any:
         if name not in self._made:
+            began = time.perf_counter()
             try:
                 self._made[name] = make()
             except Exception as exc:
                 self._made[name] = _Raised(exc)
+            self.seconds[name] = round(time.perf_counter() - began, 3)
         made = self._made[name]
         if isinstance(made, _Raised):
             raise made.error
@@ -304,6 +309,8 @@ class Judgement:
 
     case: Case
     outcomes: tuple[CheckOutcome, ...]
+    run_seconds: dict[str, float] = field(default_factory=dict)
+    """Wall seconds of the runs besides the case's own (``memory``, ``sync``)."""
 
     @property
     def verdict(self) -> str:
@@ -322,6 +329,8 @@ class Judgement:
         fields: dict[str, Any] = {}
         for outcome in self.outcomes:
             fields.update(outcome.record)
+        if self.run_seconds:  # with the case's own runs' (``report.case_record``)
+            fields["run_seconds"] = {**fields.get("run_seconds", {}), **self.run_seconds}
         fields.update(
             name=self.case.name,
             verdict=self.verdict,
@@ -351,4 +360,5 @@ def judge(
         outcomes.append(outcome)
         if stop_at_first_failure and outcome.status == "fail":
             break
-    return Judgement(case=case, outcomes=tuple(outcomes))
+    others = {name: seconds for name, seconds in runs.seconds.items() if name != "case"}
+    return Judgement(case=case, outcomes=tuple(outcomes), run_seconds=others)

@@ -369,6 +369,7 @@ def case_record(res: Any) -> dict[str, Any]:
             for d, c in res.warmup_transfers.totals().items()
         },
         "seconds": round(res.seconds, 3),
+        "run_seconds": dict(res.run_seconds),
         **_transfer_fields(res),
     }
 

@@ -209,6 +209,10 @@ def test_run_passes_and_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFi
     assert torch.equal(losses["offload"], losses["plain"])
     # a passing case's hooks baseline trains its first iteration only
     assert torch.equal(losses["hooks"], losses["plain"][:1])
+    # where the case's time went, run by run
+    assert {"plain", "hooks", "offload", "disabled"} <= set(case["run_seconds"])
+    assert all(seconds >= 0 for seconds in case["run_seconds"].values())
+    assert case["plain_baseline"] == {"key": case["plain_baseline"]["key"], "made_by": CASE_NAME}
     assert torch.isfinite(losses["plain"]).all()
     transfers = case["transfers"]
     assert transfers["d2h_bytes"] == transfers["h2d_bytes"] > 0
