@@ -1,5 +1,6 @@
 """The ``offload-harness`` console script and ``python -m harness``: for ``run``, the worker
-pool's forkserver starts before the CLI imports torch (``harness.forkserver``); then the CLI."""
+pool's forkserver starts before the CLI imports torch (``harness.forkserver``); then the CLI;
+last, whatever happened, the forkserver (if one was started) is killed."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import sys
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["run"]:
-        from harness import forkserver
+    from harness import forkserver
 
-        forkserver.start()
-    from harness.cli import main as cli_main
+    try:
+        if sys.argv[1:2] == ["run"]:
+            forkserver.start()
+        from harness.cli import main as cli_main
 
-    return cli_main()
+        return cli_main()
+    finally:
+        forkserver.stop()

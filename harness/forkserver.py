@@ -9,8 +9,11 @@ server is the same as a late one.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
+import os
+import signal
 
 PRELOAD = ("torch", "harness.session", "harness.tools.mutation_score", "torch.distributed.fsdp")
 """What the forkserver imports before it forks any worker: what every case needs, and FSDP2
@@ -28,3 +31,18 @@ def start() -> None:
     """Start the forkserver now (it imports ``PRELOAD`` in its own process, in parallel)."""
     context()
     multiprocessing.forkserver.ensure_running()
+
+
+def stop() -> None:
+    """Kill the forkserver if this process started one, and forget it. It holds the parent's
+    standard output and error, and left to stop by itself it would finalise torch for over a
+    second after the parent exited - a pipe reading the CLI's output (``| tee``, a test's
+    ``communicate``) would wait for that. It keeps no state: a later pool starts a new one."""
+    server = multiprocessing.forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        server._stop()  # reaps it and resets the bookkeeping

@@ -91,3 +91,21 @@ def test_a_mismatch_gets_every_step_of_the_hooks_baseline() -> None:
     res = run_case(row, Environment(device=CPU, backend="broken.corrupt_reload"))
     assert not res.verdict.ok and res.verdict.kind == "transport"
     assert res.hooks.losses.shape == res.plain.losses.shape
+
+
+def test_stopping_the_forkserver_kills_it_and_a_later_pool_starts_another() -> None:
+    import multiprocessing.forkserver
+
+    from harness import forkserver
+
+    with worker_pool(1) as pool:
+        first = pool.submit(os.getppid).result()  # a worker's parent: the forkserver
+    forkserver.stop()
+    assert getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is None
+    assert (
+        not Path(f"/proc/{first}").exists() or "zombie" in Path(f"/proc/{first}/status").read_text()
+    )
+    with worker_pool(1) as pool:
+        second = pool.submit(os.getppid).result()
+    assert second != first
+    forkserver.stop()
