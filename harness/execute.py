@@ -567,20 +567,32 @@ def plain_key(case: Case, env: Environment) -> str:
     microbatches, schedule, precision, seed, evaluation pass, optimizer), the sharding, the
     device and the world size - as a 12-digit digest; never the offload selection, the
     tolerance or the backend: the plain run has no offloader."""
-    parts = (env.spec(case), case.run_spec(), case.sharding, str(env.device))
-    text = repr((*parts, distributed.world_size()))
+    return _digest(env.spec(case), case.run_spec(), case.sharding, env.device)
+
+
+def sharing_key(case: Case, env: Environment) -> str:
+    """What schedules a case with the rows it shares a plain baseline with: ``plain_key``, or
+    the case's own name for a row that does not apply to its model (it fails alone)."""
+    try:
+        return plain_key(case, env)
+    except ValueError:
+        return case.name
+
+
+def _digest(spec: ModelSpec, run: RunSpec, sharding: str, device: torch.device) -> str:
+    text = repr((spec, run, sharding, str(device), distributed.world_size()))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def plain_baseline(case: Case, env: Environment) -> SharedPlain:
     """The case's plain baseline: the one this process trained last if its key is the same,
     else trained now (and kept in its place)."""
-    key = plain_key(case, env)
+    spec, run = env.spec(case), case.run_spec()
+    key = _digest(spec, run, case.sharding, env.device)
     found = _PLAIN.get(key)
     if found is not None:
         return found
     _PLAIN.clear()
-    spec, run = env.spec(case), case.run_spec()
     sink: list[TransferCounts] = []
     result = train(
         spec,

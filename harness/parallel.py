@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from harness import forkserver
+from harness import forkserver, sanitizer
 
 
 def threads_per_worker(jobs: int) -> int:
@@ -55,10 +55,7 @@ class Inherited:
         os.chdir(self.cwd)
         sys.path[:] = self.path
         if self.environ.get("TORCH_CUDA_SANITIZER") == "1":
-            from torch.cuda import _sanitizer as csan
-
-            if csan.cuda_sanitizer is None or not csan.cuda_sanitizer.enabled:
-                csan.enable_cuda_sanitizer()
+            sanitizer.enable()
 
 
 def use_share(

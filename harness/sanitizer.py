@@ -21,6 +21,15 @@ from __future__ import annotations
 from typing import Any
 
 
+def enable() -> None:
+    """Turn PyTorch's CUDA stream sanitizer on in this process (a no-op when it is on: torch
+    turns it on at import when ``TORCH_CUDA_SANITIZER`` is set then)."""
+    from torch.cuda import _sanitizer as csan
+
+    if csan.cuda_sanitizer is None or not csan.cuda_sanitizer.enabled:
+        csan.enable_cuda_sanitizer()
+
+
 def describe(exc: BaseException) -> str | None:
     """One line for a ``CUDASanitizerErrors`` (None for any other exception): how many races,
     and the first one's tensor, streams, ops and the innermost harness or offloader frame."""

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cases import Case
-from harness.execute import Environment, plain_key
+from harness.execute import Environment, sharing_key
 from harness.judge import judge
 from harness.parallel import kill_pool, worker_pool
 
@@ -98,11 +98,7 @@ def _bundles(cases: list[Case], env: Environment, indices: list[int]) -> list[li
     longest first: a long case started last would leave the other workers idle at the end."""
     groups: dict[str, list[int]] = {}
     for index in indices:
-        try:
-            key = plain_key(cases[index], env)
-        except ValueError:  # it fails in its worker, alone
-            key = cases[index].name
-        groups.setdefault(key, []).append(index)
+        groups.setdefault(sharing_key(cases[index], env), []).append(index)
     return sorted(groups.values(), key=lambda group: -sum(cases[i].work for i in group))
 
 

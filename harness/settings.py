@@ -261,10 +261,9 @@ def apply(resolved: Settings) -> None:
     os.environ["NVTE_CPU_OFFLOAD_V1"] = resolved.nvte_cpu_offload_v1
     if resolved.cuda_sanitizer:
         os.environ["TORCH_CUDA_SANITIZER"] = "1"
-        from torch.cuda import _sanitizer as csan
+        from harness import sanitizer
 
-        if csan.cuda_sanitizer is None or not csan.cuda_sanitizer.enabled:
-            csan.enable_cuda_sanitizer()
+        sanitizer.enable()
 
 
 def resolve_case_timeout(text: str | None, device: torch.device) -> float:
