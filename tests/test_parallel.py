@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness.cases import default_matrix
-from harness.execute import Environment, plain_baseline, plain_key, run_case
+from harness.execute import Environment, plain_baseline, plain_key, run_case, total
 from harness.parallel import worker_pool
 
 CPU = torch.device("cpu")
@@ -70,6 +70,8 @@ def test_rows_sharing_a_key_share_one_plain_run_and_judge_alike() -> None:
     first, second = _rows()[:2]
     a = run_case(first, env)
     b = run_case(second, env)
+    for res in (a, b):  # the offload happened in both, before their equality is trusted
+        assert res.proof_problems == [] and total(res.counts).bytes > 0
     assert (a.plain_made_by, b.plain_made_by) == (first.name, first.name)
     assert a.plain_key == b.plain_key
     assert torch.equal(a.plain.losses, b.plain.losses)
