@@ -86,8 +86,19 @@ class Case:
     memory_slack_reason: str = ""
     """Why a non-zero memory slack is needed, with what was measured."""
     sharding: str = "none"
-    """``none`` (every rank trains the whole model on the same data) or ``zero3`` (flat ZeRO-3
-    through FSDP2, each rank its own data shard; also runs at world size 1)."""
+    """``none`` (every rank trains the whole model on the same data), ``zero3`` (flat ZeRO-3
+    through FSDP2), ``mfsdp`` or ``mfsdp2`` (Megatron-FSDP as megatron-core ships it, or built
+    from its bundled v2 building blocks; megatron-core's models only); sharded, each rank trains
+    its own data shard, and a one-rank world runs the sharding's whole code path."""
+    recompute: str = ""
+    """megatron-core's activation recompute (``ModelSpec.recompute``): ``full`` or
+    ``+``-joined selective modules."""
+    cuda_graph: str = ""
+    """megatron-core's CUDA-graph capture (``ModelSpec.cuda_graph``)."""
+    mtp: str = ""
+    """Multi-token-prediction layers after the pattern (``ModelSpec.mtp``)."""
+    delta_bytes: int = 0
+    """``delta_offload_bytes_across_pp_ranks``: bytes per pipeline rank kept on the device."""
     min_ranks: int = 1
     """Fewest ranks (torchrun ``WORLD_SIZE``) the case needs; below it, it skips at collection."""
     custom_pattern: str | None = None
@@ -126,6 +137,7 @@ class Case:
             raise ValueError(f"case {self.name}: a non-zero tolerance needs a tolerance_reason")
         self.offload_config()  # validates names and rules
         self.run_spec()
+        self.model_spec("tiny")  # the megatron-core knobs against the impl
 
     @property
     def pattern(self) -> str:
@@ -144,6 +156,14 @@ class Case:
             parts.append(f"fraction-{self.fraction:g}")
         if self.min_tensor_size != 1024:
             parts.append(f"min-{self.min_tensor_size}")
+        if self.delta_bytes:
+            parts.append(f"delta-{self.delta_bytes}")
+        if self.recompute:
+            parts.append(f"recompute-{self.recompute}")
+        if self.cuda_graph:
+            parts.append(f"graph-{self.cuda_graph}")
+        if self.mtp:
+            parts.append(f"mtp-{self.mtp}")
         if self.sharding != "none":
             parts.append(self.sharding)
         if self.min_ranks != 1:
@@ -161,7 +181,9 @@ class Case:
         return work * (3.0 if self.sharding != "none" else 1.0)
 
     def model_spec(self, size: str) -> ModelSpec:
-        spec = model_spec(self.family, size).replace(impl=self.impl)
+        spec = model_spec(self.family, size).replace(
+            impl=self.impl, recompute=self.recompute, cuda_graph=self.cuda_graph, mtp=self.mtp
+        )
         return spec.replace(pattern=self.custom_pattern) if self.custom_pattern else spec
 
     def run_spec(self, seed: int = 1234) -> RunSpec:
@@ -181,6 +203,7 @@ class Case:
             min_offloaded_tensor_size=self.min_tensor_size,
             activation_offload_fraction=self.fraction,
             max_inflight_offloads=self.max_inflight,
+            delta_offload_bytes_across_pp_ranks=self.delta_bytes,
         )
 
     def replace(self, **changes: Any) -> Case:
@@ -351,7 +374,82 @@ MCORE_ROWS: tuple[Case, ...] = (
 )
 """Rows on megatron-core's own models (``Case.impl`` ``mcore``: ``HybridModel``, ``mcore-gpt``:
 ``GPTModel``): the seed, then one per model family, then the GPT-style MoE model on both expert
-paths; bf16 as the seed runs it. Selected by ``--family mcore`` (or ``all``)."""
+paths; bf16 as the seed runs it. Selected by ``--family mcore`` (or ``all``), with the
+``MCORE_SHARDED_ROWS`` and ``MCORE_KNOB_ROWS``."""
+
+_SEED_MCORE = MCORE_ROWS[0]
+MCORE_SHARDED_ROWS: tuple[Case, ...] = (
+    _SEED_MCORE.replace(
+        sharding="mfsdp",
+        description="the seed under Megatron-FSDP as megatron-core 0.19 ships it "
+        "(optim_grads_params, distributed optimizer)",
+    ),
+    _SEED_MCORE.replace(
+        sharding="mfsdp2",
+        description='the seed under Megatron-FSDP built from its bundled "v2 building blocks" '
+        "(flat fully_shard, fully_shard_optimizer; not the upstream v2 adapter)",
+    ),
+)
+"""The seed's own scenario: megatron-core's ``HybridModel`` ``+-+-+-`` sharded flat ZeRO-3 by
+Megatron-FSDP, core_attn + attn_proj offloaded, against the same model under the same sharding
+without offloading. One rank is a one-rank mesh; under torchrun each rank has its shard."""
+
+MCORE_KNOB_ROWS: tuple[Case, ...] = (
+    _SEED_MCORE.replace(recompute="core_attn", description="selective recompute of core_attn"),
+    _SEED_MCORE.replace(
+        recompute="mla_up_proj", description="selective recompute of MLA's up-projections"
+    ),
+    _SEED_MCORE.replace(
+        offload=ATTENTION_NAMES,
+        recompute="layernorm",
+        description="selective recompute of the norms, every attention group offloaded",
+    ),
+    _SEED_MCORE.replace(recompute="mlp", description="selective recompute of the dense MLPs"),
+    _SEED_MCORE.replace(recompute="full", description="full recompute of every layer"),
+    Case(
+        **_MCORE_SLACK,
+        impl="mcore",
+        family="moe",
+        offload=("expert_fc1", "moe_act"),
+        precision="bf16",
+        recompute="moe_act",
+        description="selective recompute of the expert activation, experts offloaded",
+    ),
+    Case(
+        **_MCORE_SLACK,
+        impl="mcore",
+        family="moe",
+        offload=("expert_fc1", "moe_act"),
+        precision="bf16",
+        recompute="moe",
+        description="the whole MoE layer recomputed while its experts offload",
+    ),
+    _SEED_MCORE.replace(cuda_graph="te", description="TransformerEngine CUDA graphs per layer"),
+    Case(
+        **_MCORE_SLACK,
+        impl="mcore",
+        family="moe",
+        offload=("expert_fc1", "moe_act"),
+        precision="bf16",
+        cuda_graph="local-moe",
+        description="local CUDA graphs of the MoE router and preprocessing, experts offloaded",
+    ),
+    _SEED_MCORE.replace(fraction=0.5, description="activation_offload_fraction 0.5"),
+    _SEED_MCORE.replace(
+        delta_bytes=1 << 20,
+        description="delta_offload_bytes_across_pp_ranks 1 MiB (one pipeline stage: rank 0)",
+    ),
+    _SEED_MCORE.replace(
+        min_tensor_size=8192, description="min_offloaded_tensor_size between the saved sizes"
+    ),
+    _SEED_MCORE.replace(mtp="+-", description="one multi-token-prediction depth (+-)"),
+)
+"""Every megatron-core knob that meets offloading, one row each on the seed (or the MoE model
+for the expert knobs): what megatron-core does - passes, moves less than configured, refuses -
+is the row's verdict (a configuration 0.19 refuses skips with its message)."""
+
+MCORE_FAMILY: tuple[Case, ...] = MCORE_ROWS + MCORE_SHARDED_ROWS + MCORE_KNOB_ROWS
+"""Every row of ``--family mcore``."""
 
 FAMILY_CHOICES = ("harness", "mcore", "all")
 """``--family``: whose models the session's rows build (``Case.impl``), or both."""
@@ -397,12 +495,12 @@ def matrix(name: str, family: str = "harness") -> list[Case]:
         raise ValueError(f"unknown matrix {name!r}; known: {', '.join(MATRICES)}") from None
     if family not in FAMILY_CHOICES:
         raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILY_CHOICES)}")
-    return {"harness": rows, "mcore": list(MCORE_ROWS), "all": rows + list(MCORE_ROWS)}[family]
+    return {"harness": rows, "mcore": list(MCORE_FAMILY), "all": rows + list(MCORE_FAMILY)}[family]
 
 
 def find_case(case_id: str) -> Case:
     """The row of the full matrix (or the default one) whose name is ``case_id``."""
-    for row in [*default_matrix(), *full_matrix(), *MCORE_ROWS]:
+    for row in [*default_matrix(), *full_matrix(), *MCORE_FAMILY]:
         if row.name == case_id:
             return row
     raise ValueError(

@@ -302,10 +302,14 @@ def command_run(args: argparse.Namespace) -> int:
             f"\ngolden: {len(missing)} of {len(cases)} cases not compared - "
             f"{missing[0]['golden']['message']}"
         )
-    failed = sum(c["verdict"] != "pass" for c in summary["cases"])
-    print(
-        f"\n{len(cases) - failed}/{len(cases)} cases passed in {summary['seconds']:.1f}s; {where}"
-    )
+    failed = sum(c["verdict"] not in ("pass", "skip") for c in summary["cases"])
+    skipped = [c for c in summary["cases"] if c["verdict"] == "skip"]
+    for case in skipped:
+        reasons = [c["reason"] for c in case["checks"].values() if c.get("status") == "skip"]
+        print(f"\nSKIP {case['name']}: {reasons[0] if reasons else 'skipped'}")
+    passed = len(cases) - failed - len(skipped)
+    also = f", {len(skipped)} skipped" if skipped else ""
+    print(f"\n{passed}/{len(cases)} cases passed{also} in {summary['seconds']:.1f}s; {where}")
     return 1 if failed or status != "complete" else 0
 
 

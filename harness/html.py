@@ -48,10 +48,13 @@ def _facts(summary: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _outcomes(cases: list[dict[str, Any]]) -> str:
     passed = sum(c.get("verdict") == "pass" for c in cases)
+    skipped = sum(c.get("verdict") == "skip" for c in cases)
     golden = [c.get("golden", {}).get("status") for c in cases]
     drift = golden.count("mismatch")
     return (
-        f"{passed}/{len(cases)} cases passed; golden traces: {golden.count('match')} match, "
+        f"{passed}/{len(cases)} cases passed"
+        + (f", {skipped} skipped" if skipped else "")
+        + f"; golden traces: {golden.count('match')} match, "
         f"{drift} drifted, {golden.count('missing')} missing"
     )
 
@@ -67,7 +70,7 @@ def _row(index: int, case: dict[str, Any]) -> str:
     tests = case.get("tests", {})
     failed_tests = [name for name, outcome in tests.items() if outcome == "failed"]
     name = _e(case["name"])
-    if case.get("verdict") != "pass":
+    if case.get("verdict") not in ("pass", "skip"):
         name = f'<a href="#case-{index}">{name}</a>'
     memory = case.get("memory")
     mem = (
@@ -125,7 +128,9 @@ def render_index(folder: Path) -> Path:
         note,
         *(f'<p><img src="plots/{p.name}" alt="{_e(p.stem)}"></p>' for p in plots),
     ]
-    failed = [(i, c) for i, c in enumerate(cases, start=1) if c.get("verdict") != "pass"]
+    failed = [
+        (i, c) for i, c in enumerate(cases, start=1) if c.get("verdict") not in ("pass", "skip")
+    ]
     if failed:
         parts += ["<h2>Failures</h2>", *(_problems(i, c) for i, c in failed)]
     parts.append("</body></html>")

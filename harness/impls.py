@@ -36,6 +36,11 @@ class ModelImpl:
     """Its layers are (attention, MLP) pairs of the pattern (``harness.spec.gpt_layers``)."""
     sync_guard: str | None = None
     """None when the host-sync check guards it; else why it does not apply."""
+    knobs: bool = False
+    """Takes megatron-core's recompute and CUDA-graph settings (``ModelSpec.recompute``,
+    ``ModelSpec.cuda_graph``)."""
+    mtp: bool = False
+    """Builds multi-token-prediction layers (``ModelSpec.mtp``)."""
     default_backend: str = "reference"
     """The backend its rows run when none is named."""
     availability: str | None = None
@@ -91,11 +96,13 @@ _IMPLS = (
         name="mcore",
         family="mcore",
         description="megatron-core's HybridModel with TransformerEngine layers, its one-stage "
-        "schedule, DDP and distributed optimizer",
+        "schedule, DDP and distributed optimizer or Megatron-FSDP",
         trainer="harness.mcore_models:train",
         schedules=("sequential",),
-        shardings=("none",),
+        shardings=("none", "mfsdp", "mfsdp2"),
         eval_first=False,
+        knobs=True,
+        mtp=True,
         sync_guard=_MCORE_SYNC,
         default_backend="mcore",
         availability="harness.mcore_models:unavailable_reason",
@@ -107,9 +114,10 @@ _IMPLS = (
         "attention and one MLP/MoE symbol of the pattern), trained as mcore",
         trainer="harness.mcore_models:train",
         schedules=("sequential",),
-        shardings=("none",),
+        shardings=("none", "mfsdp", "mfsdp2"),
         eval_first=False,
         gpt_layers=True,
+        knobs=True,
         sync_guard=_MCORE_SYNC,
         default_backend="mcore",
         availability="harness.mcore_models:unavailable_reason",

@@ -44,6 +44,7 @@ from harness.execute import CaseRun, Environment, MemoryResult, memory_unsupport
 from harness.impls import IMPLS
 from harness.predict import SIMPLEST
 from harness.report import case_record, memory_record
+from harness.runs import Refused
 from harness.sanitizer import describe
 
 GUARDED_STEP = 2
@@ -296,8 +297,12 @@ CASE_TESTS: dict[str, str] = {
 
 
 def check(name: str, runs: CaseRuns) -> CheckOutcome:
-    """Run one check (its runs' exceptions propagate)."""
-    return CHECKS[name](runs)
+    """Run one check (its runs' exceptions propagate, except a configuration the model's
+    library refuses, ``Refused``: a skip with the library's message)."""
+    try:
+        return CHECKS[name](runs)
+    except Refused as exc:
+        return CheckOutcome(name=name, status="skip", reason=str(exc))
 
 
 # ------------------------------------------------------------------------------ the verdict
@@ -314,7 +319,14 @@ class Judgement:
 
     @property
     def verdict(self) -> str:
-        return "fail" if any(o.status == "fail" for o in self.outcomes) else "pass"
+        """``fail`` if a check failed; ``skip`` if none failed and none passed but one skipped
+        (a configuration the model's library refuses); else ``pass``."""
+        statuses = {o.status for o in self.outcomes}
+        if "fail" in statuses:
+            return "fail"
+        if "skip" in statuses and "pass" not in statuses:
+            return "skip"
+        return "pass"
 
     @property
     def problems(self) -> list[str]:

@@ -50,6 +50,7 @@ import contextlib
 import importlib
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -63,7 +64,7 @@ from harness.observe import Windowed
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload, PassThroughGroup
 from harness.offload.protocol import Offloader, Wrapper
-from harness.runs import RunHooks, TrainResult
+from harness.runs import Refused, RunHooks, TrainResult
 from harness.spec import ModelSpec, RunSpec, gpt_layers
 
 ENVIRONMENT = {
@@ -154,6 +155,7 @@ def transformer_config(
 
     bf16 = run.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
+    layers = spec.all_layers
     gpt = gpt_layers(spec.layers) if IMPLS[spec.impl].gpt_layers else None
     fields: dict[str, Any] = dict(
         num_layers=len(gpt) if gpt is not None else len(spec.layers),
@@ -175,7 +177,7 @@ def transformer_config(
         attention_backend=AttnBackend.unfused,
         deterministic_mode=True,
     )
-    if any(LAYERS[symbol].experts for symbol in spec.layers):
+    if any(LAYERS[symbol].experts for symbol in layers):
         fields.update(
             num_moe_experts=spec.num_experts,
             moe_router_topk=spec.moe_topk,
@@ -202,9 +204,9 @@ def transformer_config(
             fine_grained_offloading_max_inflight_offloads=offload.max_inflight_offloads,
             delta_offload_bytes_across_pp_ranks=offload.delta_offload_bytes_across_pp_ranks,
         )
-    if any(LAYERS[symbol].kind == "mla" for symbol in spec.layers):
-        return MLATransformerConfig(
-            **fields,
+    make: Callable[..., Any] = TransformerConfig
+    if any(LAYERS[symbol].kind == "mla" for symbol in layers):
+        fields.update(
             multi_latent_attention=True,
             q_lora_rank=spec.q_lora_rank,
             kv_lora_rank=spec.kv_lora_rank,
@@ -213,7 +215,63 @@ def transformer_config(
             v_head_dim=spec.v_head_dim,
             rope_type="rope",
         )
-    return TransformerConfig(**fields)
+        make = MLATransformerConfig
+    knobs = knob_fields(spec)
+    if not knobs:
+        return make(**fields)
+    make(**fields)  # without the knobs first: an error there is the harness's, not a refusal
+    try:
+        return make(**fields, **knobs)
+    except (ValueError, AssertionError, TypeError, NotImplementedError) as exc:
+        raise Refused(
+            f"megatron-core {_version()} refuses {_knob_text(spec)} with this case: "
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        ) from exc
+
+
+def knob_fields(spec: ModelSpec) -> dict[str, Any]:
+    """``TransformerConfig`` fields of the spec's megatron-core knobs (recompute, CUDA graphs,
+    multi-token prediction); empty without any."""
+    fields: dict[str, Any] = {}
+    if spec.recompute == "full":
+        fields.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    elif spec.recompute:
+        fields.update(
+            recompute_granularity="selective", recompute_modules=spec.recompute.split("+")
+        )
+    if spec.cuda_graph == "te":
+        fields.update(cuda_graph_impl="transformer_engine", cuda_graph_warmup_steps=1)
+    elif spec.cuda_graph == "local-moe":
+        fields.update(
+            cuda_graph_impl="local",
+            cuda_graph_modules=["moe_router", "moe_preprocess"],
+            cuda_graph_warmup_steps=1,
+        )
+    if spec.mtp:
+        fields["mtp_num_layers"] = spec.mtp_depths
+    return fields
+
+
+def _knob_text(spec: ModelSpec) -> str:
+    parts = []
+    if spec.recompute:
+        parts.append(f"recompute {spec.recompute}")
+    if spec.cuda_graph:
+        parts.append(f"CUDA graphs {spec.cuda_graph}")
+    if spec.mtp:
+        parts.append(f"MTP layers {spec.mtp}")
+    return " and ".join(parts)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # not installed as a distribution (a source checkout)
+        return "(version unknown)"
 
 
 def build_model(spec: ModelSpec, run: RunSpec, config: Any, device: torch.device) -> Any:
@@ -245,7 +303,7 @@ def build_model(spec: ModelSpec, run: RunSpec, config: Any, device: torch.device
         hybrid_stack_spec=hybrid_stack_spec,
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,
-        hybrid_layer_pattern=spec.pattern,
+        hybrid_layer_pattern=spec.pattern + (f"/{spec.mtp}" if spec.mtp else ""),
         position_embedding_type="rope" if "*" in spec.layers else "none",
     )
     return model.to(device)
@@ -261,14 +319,24 @@ def _reset_moe_metrics() -> None:
 
 
 # ---------------------------------------------------------------------------------- the bridge
+def model_layers(model: Any) -> list[Any]:
+    """The model's layers in the harness's numbering: the decoder's, then each
+    multi-token-prediction depth's inner layers (``ModelSpec.all_layers``)."""
+    layers = list(model.decoder.layers)
+    for depth in getattr(getattr(model, "mtp", None), "layers", ()):
+        layers += list(getattr(getattr(depth, "mtp_model_layer", None), "layers", ()))
+    return layers
+
+
 class LayerTracker:
-    """Which decoder layer is running its forward (a forward pre-hook on every layer)."""
+    """Which layer is running its forward (a forward pre-hook on every layer, multi-token-
+    prediction layers numbered after the decoder's)."""
 
     def __init__(self, model: Any) -> None:
         self.layer = -1
         self._handles = [
             layer.register_forward_pre_hook(self._hook(index))
-            for index, layer in enumerate(model.decoder.layers)
+            for index, layer in enumerate(model_layers(model))
         ]
 
     def _hook(self, index: int) -> Callable[..., None]:
@@ -431,8 +499,11 @@ def train(
     sharding: str,
 ) -> TrainResult:
     """``harness.train.train`` for megatron-core's models (see the module docstring)."""
-    if sharding != "none":
-        raise ValueError("impl 'mcore' runs unsharded (megatron-core's DDP over the world)")
+    if sharding not in IMPLS[spec.impl].shardings:
+        raise ValueError(
+            f"impl {spec.impl!r} runs sharding {', '.join(IMPLS[spec.impl].shardings)}, "
+            f"not {sharding!r}"
+        )
     if run.schedule != "sequential":
         raise ValueError(
             f"impl 'mcore' runs megatron-core's one-stage schedule (sequential), not "
@@ -442,13 +513,7 @@ def train(
     if reason is not None:
         raise ValueError(reason)
     ensure_parallel_state(device)
-    _warm_process(spec, run, device)
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    _warm_process(spec, run, device, sharding)
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
@@ -461,39 +526,21 @@ def train(
     model = build_model(spec, run, config, device)
     tracker = LayerTracker(model)
     module = Float16Module(config, model) if run.precision == "bf16" else model
-    ddp = DistributedDataParallel(
-        config=config,
-        ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=False, overlap_grad_reduce=False, use_distributed_optimizer=True
-        ),
-        module=module,
-    )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=run.lr,
-            weight_decay=0.01,
-            bf16=run.precision == "bf16",
-            params_dtype=config.params_dtype,
-            use_distributed_optimizer=True,
-            clip_grad=run.grad_clip if run.grad_clip is not None else 0.0,
-        ),
-        [ddp],
-        use_gloo_process_groups=False,
-    )
-    if hooks.model_ready is not None:  # after bf16 casting and DDP's buffers moved the weights
+    trainer = TRAINERS[sharding](config, model, module, run)
+    ddp = trainer.wrapper
+    if hooks.model_ready is not None:  # after bf16 casting and the wrapper moved the weights
         hooks.model_ready(model)
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
-    config.grad_scale_func = optimizer.scale_loss
-    data = make_batches(spec, seed=run.seed, steps=run.steps, microbatches=run.microbatches)
+    graphs = _graph_helper(config, ddp, spec)
+    shard = distributed.rank() if sharding != "none" else 0
+    data = make_batches(
+        spec, seed=run.seed, steps=run.steps, microbatches=run.microbatches, shard=shard
+    )
     data = data.to(device)
     B, T = spec.micro_batch_size, spec.seq_length
     positions = torch.arange(T, device=device).unsqueeze(0).expand(B, T)
     losses = torch.zeros(run.steps, run.microbatches, device=device)
     grads: list[dict[str, torch.Tensor]] = []
     forward_backward = get_forward_backward_func()
-    named = [(n, p) for n, p in model.named_parameters()]
 
     def one_pass(step: int, batches: torch.Tensor, forward_only: bool) -> None:
         def forward_step(data_iterator: Iterator[int], net: Any) -> Any:
@@ -535,20 +582,24 @@ def train(
         for step in range(run.steps):
             context = hooks.step_context(step) if hooks.step_context else contextlib.nullcontext()
             with context:
-                ddp.zero_grad_buffer()
-                optimizer.zero_grad()
+                if graphs is not None and step == config.cuda_graph_warmup_steps:
+                    graphs.create_cudagraphs()  # as megatron's training loop: after the warmup
+                    graphs.cuda_graph_set_manual_hooks()
+                trainer.zero_grad()
                 compute = hooks.compute_context(step) if hooks.compute_context else None
                 with compute or contextlib.nullcontext():
                     one_pass(step, data[step], forward_only=False)
                 if keep_grads:
-                    grads.append(_main_grads(named))
-                optimizer.step()
+                    grads.append(trainer.grads())
+                trainer.step()
     tracker.remove()
-    state = {n: p.detach().cpu() for n, p in named} if keep_final_state else {}
+    state = trainer.state() if keep_final_state else {}
     result = TrainResult(
         losses=losses.cpu(), logs=offloader.iteration_logs(), grads=grads, final_state=state
     )
-    _release(named, optimizer)
+    if graphs is not None:
+        graphs.delete_cuda_graphs()
+    _release(trainer.tensors())
     _clear_forward_caches(model)
     return result
 
@@ -567,38 +618,38 @@ def _clear_forward_caches(model: torch.nn.Module) -> None:
             clear()
 
 
-def _release(named: list[tuple[str, torch.nn.Parameter]], optimizer: Any) -> None:
+def _release(tensors: list[Any]) -> None:
     """Free the run's device memory before returning.
 
     On the H200 a finished run's parameter and gradient buffers, fp32 main weights and Adam
     states were still reachable after ``gc.collect()`` (through megatron-core's DDP: its
     bucket groups, hook closures and the config's ``no_sync_func``) and went away only during
     a later run, so the next run's memory case counted a whole model it did not hold (937 MB).
-    Emptying the storages makes every run start from the same allocator state. The first
-    version of this left the fp32 gradients of the main weights (one fp32 block per weight,
-    46 MB, seen on the H200); they are emptied too now, not yet checked on a GPU."""
-    tensors: list[torch.Tensor | None] = []
-    for _, param in named:
-        tensors += [param, param.grad, getattr(param, "main_grad", None)]
+    Emptying the storages makes every run start from the same allocator state (a sharded
+    tensor by its local shard)."""
+    for tensor in tensors:
+        local = getattr(tensor, "_local_tensor", tensor)
+        if isinstance(local, torch.Tensor) and local.is_cuda:
+            local.untyped_storage().resize_(0)
+
+
+def _optimizer_tensors(optimizer: Any) -> list[Any]:
+    """Every tensor a megatron-core (or torch) optimizer holds: its fp32 main weights, their
+    gradients (kept after the last step) and the Adam moments."""
+    tensors: list[Any] = []
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        if torch_optimizer is None:
-            continue
-        for group in torch_optimizer.param_groups:
+        torch_optimizer = getattr(inner, "optimizer", inner)
+        for group in getattr(torch_optimizer, "param_groups", ()):
             for param in group["params"]:
-                # the fp32 main weight, its fp32 gradient (kept after the last step) and the
-                # Adam moments
                 tensors += [param, param.grad]
                 tensors += list(torch_optimizer.state.get(param, {}).values())
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-            tensor.untyped_storage().resize_(0)
+    return tensors
 
 
-_WARMED: set[tuple[ModelSpec, str]] = set()
+_WARMED: set[tuple[ModelSpec, str, str]] = set()
 
 
-def _warm_process(spec: ModelSpec, run: RunSpec, device: torch.device) -> None:
+def _warm_process(spec: ModelSpec, run: RunSpec, device: torch.device, sharding: str) -> None:
     """One unmeasured plain step of ``spec`` before the process's first run of it.
 
     megatron-core and TransformerEngine set things up lazily in the first step a process takes
@@ -606,7 +657,7 @@ def _warm_process(spec: ModelSpec, run: RunSpec, device: torch.device) -> None:
     DtoH/HtoD copies, a later model's first step 2), so without this the first run of a
     process would not be comparable with the next ones (the disabled run is compared with the
     plain run's step 0 copy for copy)."""
-    key = (spec, run.precision)
+    key = (spec, run.precision, sharding)
     if key in _WARMED:
         return
     _WARMED.add(key)
@@ -618,7 +669,7 @@ def _warm_process(spec: ModelSpec, run: RunSpec, device: torch.device) -> None:
         hooks=RunHooks(),
         keep_grads=False,
         keep_final_state=False,
-        sharding="none",
+        sharding=sharding,
     )
 
 
@@ -632,6 +683,216 @@ def _main_grads(named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.
             raise RuntimeError(f"parameter {name} has no main_grad after the step's backward")
         out[name] = grad.detach().clone()
     return out
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) DTensor, detached, on the CPU."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach().cpu()
+
+
+def _dtensor_grads(named: list[tuple[str, Any]]) -> dict[str, torch.Tensor]:
+    """Every sharded parameter's gradient (``.grad``), whole, after the step's backward."""
+    out = {}
+    for name, param in named:
+        if param.grad is None:
+            raise RuntimeError(f"parameter {name} has no gradient after the step's backward")
+        out[name] = _full(param.grad)
+    return out
+
+
+# ------------------------------------------------------------------------ wrappers (sharding)
+@dataclass
+class Trainer:
+    """How one sharding trains: the wrapper the schedule runs, the optimizer, and the step's
+    gradient zeroing, gradient reading, update, final state and tensors to free."""
+
+    wrapper: Any
+    optimizer: Any
+    zero_grad: Callable[[], None]
+    grads: Callable[[], dict[str, torch.Tensor]]
+    step: Callable[[], None]
+    state: Callable[[], dict[str, torch.Tensor]]
+    tensors: Callable[[], list[Any]]
+
+
+def _optimizer_config(config: Any, run: RunSpec) -> Any:
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=run.lr,
+        weight_decay=0.01,
+        bf16=run.precision == "bf16",
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=True,
+        clip_grad=run.grad_clip if run.grad_clip is not None else 0.0,
+    )
+
+
+def _megatron_trainer(
+    config: Any, model: Any, wrapper: Any, run: RunSpec, grads: Callable[[], dict[str, Any]]
+) -> Trainer:
+    """A megatron-core wrapper (DDP, Megatron-FSDP) with megatron-core's distributed optimizer,
+    its ``finalize_model_grads`` and no-sync, as megatron-core's training loop wires them."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(
+        _optimizer_config(config, run), [wrapper], use_gloo_process_groups=False
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = wrapper.no_sync
+    config.grad_scale_func = optimizer.scale_loss
+
+    def zero_grad() -> None:
+        wrapper.zero_grad_buffer()
+        optimizer.zero_grad()
+
+    def tensors() -> list[Any]:
+        out: list[Any] = []
+        for _, param in model.named_parameters():
+            out += [param, param.grad, getattr(param, "main_grad", None)]
+        buffer = getattr(wrapper, "param_and_grad_buffer", None)
+        for group in getattr(buffer, "parameter_groups", ()):  # Megatron-FSDP's buffers
+            for name in ("model_weight_buffer", "main_weight_buffer", "main_grad_buffer"):
+                out.append(getattr(getattr(group, name, None), "data", None))
+        return out + _optimizer_tensors(optimizer)
+
+    return Trainer(
+        wrapper=wrapper,
+        optimizer=optimizer,
+        zero_grad=zero_grad,
+        grads=grads,
+        step=optimizer.step,
+        state=lambda: {n: _full(p) for n, p in model.named_parameters()},
+        tensors=tensors,
+    )
+
+
+def _ddp_trainer(config: Any, model: Any, module: Any, run: RunSpec) -> Trainer:
+    """megatron-core's DDP (no overlap) and distributed optimizer: BF16 compute and main
+    gradients, FP32 main weights."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=False, overlap_grad_reduce=False, use_distributed_optimizer=True
+        ),
+        module=module,
+    )
+    named = list(model.named_parameters())
+    return _megatron_trainer(config, model, ddp, run, lambda: _main_grads(named))
+
+
+def _mfsdp_trainer(config: Any, model: Any, module: Any, run: RunSpec) -> Trainer:
+    """Megatron-FSDP as megatron-core 0.19 ships it: ``use_megatron_fsdp`` with the
+    ``optim_grads_params`` strategy (flat ZeRO-3 over the data-parallel group, every
+    TransformerLayer a unit), FP32 main weights, main gradients in the compute dtype, one
+    distributed optimizer. Gradients are read from the optimizer's sharded parameters (the
+    model's own lose ``main_grad`` once reduced)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp import FullyShardedDataParallel
+
+    wrapper = FullyShardedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(
+            use_megatron_fsdp=True,
+            data_parallel_sharding_strategy="optim_grads_params",
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            megatron_fsdp_main_params_dtype=torch.float32,
+            megatron_fsdp_main_grads_dtype=config.params_dtype,
+        ),
+        module=module,
+    )
+    buffer = wrapper.param_and_grad_buffer
+    return _megatron_trainer(
+        config, model, wrapper, run, lambda: _dtensor_grads(buffer.optimizer_named_parameters)
+    )
+
+
+def _mfsdp2_trainer(config: Any, model: Any, module: Any, run: RunSpec) -> Trainer:
+    """Megatron-FSDP from the "v2 building blocks" megatron-core 0.19 bundles (not the upstream
+    v2 adapter, which no release has): the experimental ``fully_shard`` with flat placements
+    on every layer then the root (ZeRO-3: parameters, gradients and optimizer state flat-
+    sharded over the data-parallel group), FP32 main weights, main gradients in the compute
+    dtype, and one torch AdamW made FSDP-aware by ``fully_shard_optimizer``. The model is cast
+    to the compute dtype first (the policy has no compute dtype). Gradient clipping is torch's
+    over the sharded gradients."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import MixedPrecisionPolicy
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.experimental import (
+        Flat,
+        Placements,
+        fully_shard,
+        fully_shard_optimizer,
+    )
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = parallel_state.get_data_parallel_group()
+    mesh = DeviceMesh.from_group(group, "cuda", mesh_dim_names=("dp",))
+    placements = Placements(
+        dp_axes=["dp"], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()]
+    )
+    policy = MixedPrecisionPolicy(
+        main_params_dtype=torch.float32, main_grads_dtype=config.params_dtype
+    )
+    for layer in model_layers(model):
+        fully_shard(layer, mesh, placements, policy)
+    fully_shard(model, mesh, placements, policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=0.01)
+    fully_shard_optimizer(optimizer)
+    config.finalize_model_grads_func = None
+    config.no_sync_func = None
+    config.grad_scale_func = None
+
+    def step() -> None:
+        if run.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), run.grad_clip)
+        optimizer.step()
+
+    def tensors() -> list[Any]:
+        return [t for _, p in model.named_parameters() for t in (p, p.grad)] + (
+            _optimizer_tensors(optimizer)
+        )
+
+    return Trainer(
+        wrapper=module,
+        optimizer=optimizer,
+        zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
+        grads=lambda: _dtensor_grads(list(model.named_parameters())),
+        step=step,
+        state=lambda: {n: _full(p) for n, p in model.named_parameters()},
+        tensors=tensors,
+    )
+
+
+TRAINERS: dict[str, Callable[[Any, Any, Any, RunSpec], Trainer]] = {
+    "none": _ddp_trainer,
+    "mfsdp": _mfsdp_trainer,
+    "mfsdp2": _mfsdp2_trainer,
+}
+"""How each sharding of megatron-core's models trains (``harness.spec.SHARDINGS``)."""
+
+
+def _graph_helper(config: Any, wrapper: Any, spec: ModelSpec) -> Any:
+    """megatron-core's TransformerEngine CUDA-graph helper for ``cuda_graph="te"`` (None
+    otherwise): it captures every layer after ``cuda_graph_warmup_steps`` steps, as megatron's
+    training loop drives it. The local capture needs no helper: its layers capture
+    themselves."""
+    if spec.cuda_graph != "te":  # megatron-core cuda_graph_impl "transformer_engine"
+        return None
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+    return TECudaGraphHelper(
+        model=[wrapper],
+        config=config,
+        seq_length=spec.seq_length,
+        micro_batch_size=spec.micro_batch_size,
+    )
 
 
 @contextlib.contextmanager

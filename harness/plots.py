@@ -75,7 +75,7 @@ def plot_losses(plt: Any, cases: list[dict[str, Any]], folder: Path) -> list[Pat
                 ax.plot(plain, color="0.35", linewidth=1.2, label="baseline")
             if offload is not None:
                 ax.plot(offload, ".", color="tab:orange", markersize=3, label="offload")
-            failed = case.get("verdict") != "pass"
+            failed = case.get("verdict") not in ("pass", "skip")
             ax.set_title(f"#{start + index + 1}", fontsize=8, color="red" if failed else "black")
             ax.tick_params(labelsize=6)
             ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))

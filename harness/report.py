@@ -277,14 +277,15 @@ def write_junit(folder: Path, summary: dict[str, Any]) -> Path:
     """``junit.xml`` of a CLI run: one testcase per case, its problems as the failure text
     (pytest sessions get pytest's own JUnit XML instead)."""
     cases = summary["cases"]
-    failures = sum(c["verdict"] != "pass" for c in cases)
+    failures = sum(c["verdict"] not in ("pass", "skip") for c in cases)
+    skips = sum(c["verdict"] == "skip" for c in cases)
     suite = ElementTree.Element(
         "testsuite",
         name="offload-harness",
         tests=str(len(cases)),
         failures=str(failures),
         errors="0",
-        skipped="0",
+        skipped=str(skips),
         time=str(summary.get("seconds", 0)),
         timestamp=summary.get("created_utc", ""),
         hostname=summary.get("machine", {}).get("host", ""),
@@ -297,7 +298,11 @@ def write_junit(folder: Path, summary: dict[str, Any]) -> Path:
             name=case["name"],
             time=str(case.get("duration", case.get("seconds", 0))),
         )
-        if case["verdict"] != "pass":
+        if case["verdict"] == "skip":
+            reasons = [c.get("reason", "") for c in case.get("checks", {}).values()]
+            skip = ElementTree.SubElement(element, "skipped")
+            skip.set("message", next((r for r in reasons if r), "skipped")[:500])
+        elif case["verdict"] != "pass":
             problems = case.get("problems") or ["failed"]
             failure = ElementTree.SubElement(element, "failure", message=problems[0][:500])
             failure.text = "\n".join(problems)

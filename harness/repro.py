@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from harness.bisect import Bisector
-from harness.cases import MCORE_ROWS, Case, default_matrix, full_matrix
+from harness.cases import MCORE_FAMILY, Case, default_matrix, full_matrix
 from harness.compare import first_divergence, first_tensor_difference, loss_table, verdict
 from harness.execute import Environment, first_grad_difference
 from harness.golden import trace_text
@@ -130,7 +130,7 @@ def repro_command(
 def table_row(case: Case) -> Case | None:
     """The case-table row ``case`` is, or was made from by overriding ``OVERRIDABLE`` fields
     (of several, the one it differs from in the fewest); None for a custom case."""
-    rows = [*default_matrix(), *full_matrix(), *MCORE_ROWS]
+    rows = [*default_matrix(), *full_matrix(), *MCORE_FAMILY]
     fixed = [f.name for f in dataclasses.fields(Case) if f.name not in (*OVERRIDABLE, "marks")]
 
     def key(c: Case) -> tuple[Any, ...]:

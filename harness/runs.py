@@ -44,3 +44,10 @@ class TrainResult:
     device (cloned there, so a profiled step has no copy traffic)."""
     final_state: dict[str, torch.Tensor] = field(default_factory=dict)
     """Parameters after the last step (CPU copies)."""
+
+
+class Refused(ValueError):
+    """The model's own library refuses the case's configuration before any training (e.g.
+    megatron-core's ``TransformerConfig`` rejecting a knob with offloading). Every check of the
+    case is then a skip whose reason is the library's message: a finding about the library, not
+    a failure of the offloader under test."""

@@ -150,6 +150,16 @@ class ModelSpec:
     (group fused_group_mlp)."""
     impl: str = "harness"
     """Who builds the model (``harness.impls.IMPLS``)."""
+    recompute: str = ""
+    """megatron-core's activation recompute: ``""`` none, ``full`` (every layer, uniform), or
+    ``+``-joined ``RECOMPUTE_MODULES`` for selective recompute. Implementations with
+    ``ModelImpl.knobs`` only."""
+    cuda_graph: str = ""
+    """megatron-core's CUDA-graph capture (``CUDA_GRAPHS``); ``ModelImpl.knobs`` only."""
+    mtp: str = ""
+    """Multi-token-prediction layers after the main pattern: one depth's pattern, ``/`` between
+    depths (``"+-"``: one depth of an MLA and an MLP layer); HybridModel (``ModelImpl.mtp``)
+    only. Their layers are numbered after the main pattern's, depth by depth."""
     layers: tuple[str, ...] = field(init=False)
     """The parsed pattern, one symbol per layer."""
 
@@ -195,12 +205,54 @@ class ModelSpec:
             raise ValueError(
                 f"ModelSpec.moe_path must be 'unfused' or 'fused', got {self.moe_path!r}"
             )
+        self._check_knobs()
+
+    def _check_knobs(self) -> None:
+        impl = IMPLS[self.impl]
+        for name in ("recompute", "cuda_graph"):
+            if getattr(self, name) and not impl.knobs:
+                raise ValueError(
+                    f"ModelSpec.{name} is a megatron-core setting; impl {self.impl!r} has none"
+                )
+        if self.recompute not in ("", "full"):
+            unknown = [m for m in self.recompute.split("+") if m not in RECOMPUTE_MODULES]
+            if unknown:
+                raise ValueError(
+                    f"ModelSpec.recompute: unknown module {unknown[0]!r}; 'full' or "
+                    f"'+'-joined modules of {', '.join(RECOMPUTE_MODULES)}"
+                )
+        if self.cuda_graph not in CUDA_GRAPHS:
+            raise ValueError(
+                f"ModelSpec.cuda_graph must be one of {', '.join(map(repr, CUDA_GRAPHS))}, "
+                f"got {self.cuda_graph!r}"
+            )
+        if self.mtp:
+            if not impl.mtp:
+                raise ValueError(
+                    f"ModelSpec.mtp: impl {self.impl!r} builds no multi-token-prediction layers"
+                )
+            depths = self.mtp.split("/")
+            if len(set(depths)) != 1:
+                raise ValueError(f"ModelSpec.mtp {self.mtp!r}: every depth must be the same")
+            parse_pattern(self.pattern + depths[0])  # symbols, and no attention/MLA mix
+
+    @property
+    def mtp_depths(self) -> int:
+        """Multi-token-prediction depths (0: none)."""
+        return len(self.mtp.split("/")) if self.mtp else 0
+
+    @property
+    def all_layers(self) -> tuple[str, ...]:
+        """The main pattern's layers, then every multi-token-prediction depth's."""
+        if not self.mtp:
+            return self.layers
+        return self.layers + tuple(self.mtp.split("/")[0]) * self.mtp_depths
 
     @property
     def group_names(self) -> tuple[str, ...]:
         """Distinct offload group names this model opens, in first-start order."""
         names: dict[str, None] = {}
-        for symbol in self.layers:
+        for symbol in self.all_layers:
             names.update(dict.fromkeys(group_template(symbol, self.moe_path)))
         return tuple(names)
 
@@ -210,7 +262,7 @@ class ModelSpec:
         """(layer, name) of every group one microbatch opens, in start order, for a selection."""
         return tuple(
             (layer, name)
-            for layer, symbol in enumerate(self.layers)
+            for layer, symbol in enumerate(self.all_layers)
             for name in group_template(symbol, self.moe_path)
             if name in selected
         )
@@ -224,8 +276,30 @@ Schedule = Literal["sequential", "gpipe", "1f1b"]
 Precision = Literal["fp32", "bf16"]
 SCHEDULES: tuple[str, ...] = ("sequential", "gpipe", "1f1b")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
-SHARDINGS: tuple[str, ...] = ("none", "zero3")
-"""How the runner shards the model: ``none`` or flat ZeRO-3 through FSDP2 (``harness.train``)."""
+SHARDINGS: tuple[str, ...] = ("none", "zero3", "mfsdp", "mfsdp2")
+"""How the runner shards the model: ``none``; ``zero3``, flat ZeRO-3 through PyTorch's FSDP2
+(our models, ``harness.train``); ``mfsdp``, Megatron-FSDP as megatron-core 0.19 ships it
+(``optim_grads_params`` with the distributed optimizer); ``mfsdp2``, the Megatron-FSDP "v2
+building blocks" megatron-core 0.19 bundles (flat-placement ``fully_shard`` and
+``fully_shard_optimizer``; not the upstream v2 adapter, which no release has). The last two are
+megatron-core's models only (``harness.mcore_models``). Every sharded run gives each rank its
+own data shard."""
+
+RECOMPUTE_MODULES: tuple[str, ...] = (
+    "core_attn",
+    "mla_up_proj",
+    "layernorm",
+    "mlp",
+    "moe_act",
+    "moe",
+    "shared_experts",
+)
+"""Modules megatron-core's selective recompute takes (``TransformerConfig.recompute_modules``
+of 0.19); ``ModelSpec.recompute`` names some of them, or ``full``."""
+CUDA_GRAPHS: tuple[str, ...] = ("", "te", "local-moe")
+"""``ModelSpec.cuda_graph``: none; megatron-core's ``cuda_graph_impl="transformer_engine"``
+(whole layers captured by TransformerEngine); ``local`` capture of the MoE router and
+preprocessing only (the partial-MoE capture megatron-core allows with expert offloading)."""
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd")
 
 MAX_STEPS = 1_000_000

@@ -14,10 +14,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.cases import MCORE_ROWS, SEED_CASE, Case, matrix
-from harness.mcore_models import Bridge, transformer_config, unavailable_reason
+from harness.cases import (
+    MCORE_FAMILY,
+    MCORE_KNOB_ROWS,
+    MCORE_ROWS,
+    MCORE_SHARDED_ROWS,
+    SEED_CASE,
+    Case,
+    matrix,
+)
+from harness.mcore_models import (
+    TRAINERS,
+    Bridge,
+    knob_fields,
+    model_layers,
+    transformer_config,
+    unavailable_reason,
+)
 from harness.offload.config import OffloadConfig
 from harness.offload.recorder import RecordingOffloader
+from harness.runs import Refused
 from harness.spec import ModelSpec, gpt_layers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,8 +115,9 @@ def test_transformer_config_counts_gpt_layers_as_pairs(
 def test_family_selects_rows() -> None:
     ours = matrix("default")
     assert all(row.impl == "harness" for row in ours)
-    assert matrix("default", "mcore") == list(MCORE_ROWS)
-    assert matrix("default", "all") == ours + list(MCORE_ROWS)
+    assert matrix("default", "mcore") == list(MCORE_FAMILY)
+    assert matrix("default", "all") == ours + list(MCORE_FAMILY)
+    assert MCORE_FAMILY[: len(MCORE_ROWS)] == MCORE_ROWS
     with pytest.raises(ValueError, match="unknown family 'gpt'"):
         matrix("default", "gpt")
 
@@ -109,7 +126,7 @@ def test_family_selects_rows() -> None:
     ("changes", "message"),
     [
         (dict(schedule="1f1b"), "impl 'mcore' runs schedule sequential, not '1f1b'"),
-        (dict(sharding="zero3"), "impl 'mcore' runs sharding none, not 'zero3'"),
+        (dict(sharding="zero3"), "impl 'mcore' runs sharding none or mfsdp or mfsdp2, not 'zero3'"),
         (dict(eval_first=True), "impl 'mcore' runs no evaluation pass before the first step"),
     ],
     ids=["1f1b", "zero3", "evalfirst"],
@@ -143,7 +160,7 @@ def test_family_mcore_skips_at_collection_on_cpu() -> None:
         timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"SKIPPED [{2 * len(MCORE_ROWS)}]" in out.stdout
+    assert f"SKIPPED [{2 * len(MCORE_FAMILY)}]" in out.stdout
     assert "impl 'mcore' needs a CUDA device" in out.stdout
     assert "passed" not in out.stdout.splitlines()[-1]
 
@@ -246,7 +263,7 @@ def test_cli_lists_the_mcore_rows(capsys: pytest.CaptureFixture[str]) -> None:
     from harness.cli import main
 
     assert main(["cases", "--family", "mcore"]) == 0
-    assert capsys.readouterr().out.split() == [row.name for row in MCORE_ROWS]
+    assert capsys.readouterr().out.split() == [row.name for row in MCORE_FAMILY]
 
 
 def test_a_finished_runs_cached_forwards_are_emptied() -> None:
@@ -275,3 +292,133 @@ def test_a_finished_runs_cached_forwards_are_emptied() -> None:
     _clear_forward_caches(model)
     assert Rotary.forward.cache_info().currsize == 0
     assert Elsewhere.forward.cache_info().currsize == 1
+
+
+# ---------------------------------------------------------- Megatron-FSDP rows and the knobs
+def test_family_rows_are_named_apart_and_every_sharding_has_a_trainer() -> None:
+    names = [row.name for row in MCORE_FAMILY]
+    assert len(set(names)) == len(names)
+    seed = MCORE_ROWS[0]
+    assert [row.name for row in MCORE_SHARDED_ROWS] == [f"{seed.name}_mfsdp", f"{seed.name}_mfsdp2"]
+    # The seed's settings are kept: only the sharding differs.
+    for row in MCORE_SHARDED_ROWS:
+        assert row.replace(sharding="none", description=seed.description) == seed
+    assert {row.sharding for row in MCORE_FAMILY} == set(TRAINERS)
+    assert {row.recompute for row in MCORE_KNOB_ROWS} >= {"core_attn", "full", "moe"}
+    assert {row.cuda_graph for row in MCORE_KNOB_ROWS} == {"", "te", "local-moe"}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(sharding="mfsdp"), "impl 'harness' runs sharding none or zero3, not 'mfsdp'"),
+        (dict(recompute="full"), "ModelSpec.recompute is a megatron-core setting"),
+        (dict(cuda_graph="te"), "ModelSpec.cuda_graph is a megatron-core setting"),
+        (dict(mtp="+-"), "impl 'harness' builds no multi-token-prediction layers"),
+    ],
+    ids=["mfsdp", "recompute", "graphs", "mtp"],
+)
+def test_our_models_refuse_megatron_knobs(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SEED_CASE.replace(**changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(recompute="attn"), "ModelSpec.recompute: unknown module 'attn'"),
+        (dict(cuda_graph="full"), "ModelSpec.cuda_graph must be one of"),
+        (dict(mtp="+-/+"), r"ModelSpec.mtp '\+-/\+': every depth must be the same"),
+        (dict(mtp="*-"), "mixes '\\+' \\(mla\\) and '\\*' \\(attention\\)"),
+    ],
+    ids=["module", "graph", "depths", "mix"],
+)
+def test_knob_values_are_checked_before_any_training(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SEED_CASE.replace(impl="mcore", **changes)
+
+
+def test_gpt_model_has_no_mtp_layers() -> None:
+    with pytest.raises(ValueError, match="impl 'mcore-gpt' builds no multi-token-prediction"):
+        Case(impl="mcore-gpt", family="moe", offload=("core_attn",), mtp="*E")
+
+
+def test_mtp_layers_are_numbered_after_the_main_pattern() -> None:
+    spec = SEED_CASE.replace(impl="mcore", mtp="+-/+-").model_spec("tiny")
+    assert spec.mtp_depths == 2
+    assert spec.all_layers == tuple("+-+-+-" + "+-+-")
+    assert spec.group_sequence(("core_attn",)) == tuple((i, "core_attn") for i in (0, 2, 4, 6, 8))
+
+    def layer() -> torch.nn.Module:
+        return torch.nn.Linear(1, 1)
+
+    depth = types.SimpleNamespace(mtp_model_layer=types.SimpleNamespace(layers=[layer(), layer()]))
+    main = [layer() for _ in range(6)]
+    model = types.SimpleNamespace(
+        decoder=types.SimpleNamespace(layers=main), mtp=types.SimpleNamespace(layers=[depth])
+    )
+    assert model_layers(model) == [*main, *depth.mtp_model_layer.layers]
+
+
+@pytest.mark.parametrize(
+    ("knobs", "fields"),
+    [
+        (dict(recompute="full"), dict(recompute_granularity="full", recompute_method="uniform")),
+        (
+            dict(recompute="core_attn+mlp"),
+            dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+        ),
+        (dict(cuda_graph="te"), dict(cuda_graph_impl="transformer_engine")),
+        (
+            dict(cuda_graph="local-moe"),
+            dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router", "moe_preprocess"]),
+        ),
+        (dict(mtp="+-/+-"), dict(mtp_num_layers=2)),
+    ],
+    ids=["full", "selective", "te-graphs", "local-graphs", "mtp"],
+)
+def test_knobs_become_megatron_config_fields(knobs: dict, fields: dict) -> None:
+    made = knob_fields(ModelSpec(pattern="+-+-+-", impl="mcore", **knobs))
+    assert fields.items() <= made.items()
+    assert knob_fields(ModelSpec(pattern="+-+-+-", impl="mcore")) == {}
+
+
+def _refusing_megatron(monkeypatch: pytest.MonkeyPatch, refuse: str) -> list[tuple[str, dict]]:
+    """``_fake_megatron`` whose configs raise like megatron-core's ``__post_init__`` when given
+    the field ``refuse``."""
+    built = _fake_megatron(monkeypatch)
+    configs = sys.modules["megatron.core.transformer.transformer_config"]
+
+    def init(self: object, **kw: object) -> None:
+        built.append((type(self).__name__, kw))
+        if refuse in kw:
+            raise ValueError(f"{refuse} cannot be used with fine-grained activation offloading.")
+
+    for name in ("TransformerConfig", "MLATransformerConfig"):
+        setattr(configs, name, type(name, (), {"__init__": init}))
+    return built
+
+
+def test_a_knob_megatron_refuses_is_a_refusal_with_its_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built = _refusing_megatron(monkeypatch, "recompute_granularity")
+    spec = ModelSpec(pattern="+-+-+-", impl="mcore", recompute="full")
+    with pytest.raises(Refused, match=r"refuses recompute full with this case: ValueError: "):
+        transformer_config(
+            spec, SEED_CASE.run_spec(), OffloadConfig(offload_modules=("core_attn",))
+        )
+    # first without the knobs (accepted), then with them
+    assert [("recompute_granularity" in fields) for _, fields in built] == [False, True]
+
+
+def test_a_config_error_without_knobs_is_the_harness_error_not_a_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _refusing_megatron(monkeypatch, "offload_modules")
+    spec = ModelSpec(pattern="+-+-+-", impl="mcore", recompute="full")
+    with pytest.raises(ValueError, match="offload_modules cannot be used") as raised:
+        transformer_config(
+            spec, SEED_CASE.run_spec(), OffloadConfig(offload_modules=("core_attn",))
+        )
+    assert not isinstance(raised.value, Refused)
