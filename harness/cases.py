@@ -440,7 +440,8 @@ MCORE_KNOB_ROWS: tuple[Case, ...] = (
         description="delta_offload_bytes_across_pp_ranks 1 MiB (one pipeline stage: rank 0)",
     ),
     _SEED_MCORE.replace(
-        min_tensor_size=8192, description="min_offloaded_tensor_size between the saved sizes"
+        min_tensor_size=1 << 20,
+        description="megatron-core's default min_offloaded_tensor_size (1 Mi elements)",
     ),
     _SEED_MCORE.replace(mtp="+-", description="one multi-token-prediction depth (+-)"),
 )

@@ -241,14 +241,12 @@ def knob_fields(spec: ModelSpec) -> dict[str, Any]:
         fields.update(
             recompute_granularity="selective", recompute_modules=spec.recompute.split("+")
         )
+    if spec.cuda_graph:  # captured layers need TransformerEngine's graph-safe RNG tracker
+        fields.update(use_te_rng_tracker=True, cuda_graph_warmup_steps=1)
     if spec.cuda_graph == "te":
-        fields.update(cuda_graph_impl="transformer_engine", cuda_graph_warmup_steps=1)
+        fields.update(cuda_graph_impl="transformer_engine")
     elif spec.cuda_graph == "local-moe":
-        fields.update(
-            cuda_graph_impl="local",
-            cuda_graph_modules=["moe_router", "moe_preprocess"],
-            cuda_graph_warmup_steps=1,
-        )
+        fields.update(cuda_graph_impl="local", cuda_graph_modules=["moe_router", "moe_preprocess"])
     if spec.mtp:
         fields["mtp_num_layers"] = spec.mtp_depths
     return fields
@@ -282,7 +280,11 @@ def build_model(spec: ModelSpec, run: RunSpec, config: Any, device: torch.device
 
     _reset_moe_metrics()
     torch.manual_seed(run.seed)
-    model_parallel_cuda_manual_seed(run.seed)  # seeds CUDA and megatron-core's RNG tracker
+    # Seeds CUDA and a new RNG tracker of megatron-core's (TransformerEngine's, graph-safe,
+    # under CUDA graphs), whatever the process's earlier models used.
+    model_parallel_cuda_manual_seed(
+        run.seed, te_rng_tracker=bool(spec.cuda_graph), force_reset_rng=True
+    )
     if IMPLS[spec.impl].gpt_layers:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
@@ -597,7 +599,7 @@ def train(
     result = TrainResult(
         losses=losses.cpu(), logs=offloader.iteration_logs(), grads=grads, final_state=state
     )
-    if graphs is not None:
+    if graphs is not None and graphs.graphs_created():  # a 1-step run captures none
         graphs.delete_cuda_graphs()
     _release(trainer.tensors())
     _clear_forward_caches(model)
@@ -687,17 +689,24 @@ def _main_grads(named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly sharded) DTensor, detached, on the CPU."""
+    return _whole(tensor).cpu()
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of the whole tensor of a (possibly sharded) DTensor, on its device."""
     full = getattr(tensor, "full_tensor", None)
-    return (full() if full is not None else tensor).detach().cpu()
+    return (full() if full is not None else tensor).detach().clone()
 
 
 def _dtensor_grads(named: list[tuple[str, Any]]) -> dict[str, torch.Tensor]:
-    """Every sharded parameter's gradient (``.grad``), whole, after the step's backward."""
+    """Every sharded parameter's gradient (``.grad``), whole, after the step's backward.
+    Copied on the device: a copy to the host inside the step would be counted with the step's
+    transfers (``_main_grads`` clones on the device too)."""
     out = {}
     for name, param in named:
         if param.grad is None:
             raise RuntimeError(f"parameter {name} has no gradient after the step's backward")
-        out[name] = _full(param.grad)
+        out[name] = _whole(param.grad)
     return out
 
 
