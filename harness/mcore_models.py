@@ -331,15 +331,21 @@ def model_layers(model: Any) -> list[Any]:
 
 
 class LayerTracker:
-    """Which layer is running its forward (a forward pre-hook on every layer, multi-token-
-    prediction layers numbered after the decoder's)."""
+    """Which layer is running its forward (multi-token-prediction layers numbered after the
+    decoder's): a forward pre-hook on every layer, or with ``hooks=False`` a wrapper of each
+    layer's ``forward`` (megatron-core refuses to capture a CUDA graph of a module with
+    pre-forward hooks)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, hooks: bool = True) -> None:
         self.layer = -1
-        self._handles = [
-            layer.register_forward_pre_hook(self._hook(index))
-            for index, layer in enumerate(model_layers(model))
-        ]
+        self._handles: list[Any] = []
+        self._wrapped: list[Any] = []
+        for index, layer in enumerate(model_layers(model)):
+            if hooks:
+                self._handles.append(layer.register_forward_pre_hook(self._hook(index)))
+            else:
+                layer.forward = self._wrap(index, layer.forward)
+                self._wrapped.append(layer)
 
     def _hook(self, index: int) -> Callable[..., None]:
         def hook(module: Any, args: Any) -> None:
@@ -347,12 +353,21 @@ class LayerTracker:
 
         return hook
 
+    def _wrap(self, index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def tracked(*args: Any, **kwargs: Any) -> Any:
+            self.layer = index
+            return forward(*args, **kwargs)
+
+        return tracked
+
     def __call__(self) -> int:
         return self.layer
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        for layer in self._wrapped:
+            del layer.forward  # the class's forward again
 
 
 def _te_cpu_offload_flag() -> Any:
@@ -526,13 +541,13 @@ def train(
         raise ValueError(f"backend {offloader.name!r} has no OffloadConfig for megatron-core")
     config = transformer_config(spec, run, offload)
     model = build_model(spec, run, config, device)
-    tracker = LayerTracker(model)
+    tracker = LayerTracker(model, hooks=not spec.cuda_graph)
     module = Float16Module(config, model) if run.precision == "bf16" else model
     trainer = TRAINERS[sharding](config, model, module, run)
     ddp = trainer.wrapper
     if hooks.model_ready is not None:  # after bf16 casting and the wrapper moved the weights
         hooks.model_ready(model)
-    graphs = _graph_helper(config, ddp, spec)
+    graphs = _graph_helper(config, ddp, spec, run.microbatches)
     shard = distributed.rank() if sharding != "none" else 0
     data = make_batches(
         spec, seed=run.seed, steps=run.steps, microbatches=run.microbatches, shard=shard
@@ -887,15 +902,29 @@ TRAINERS: dict[str, Callable[[Any, Any, Any, RunSpec], Trainer]] = {
 """How each sharding of megatron-core's models trains (``harness.spec.SHARDINGS``)."""
 
 
-def _graph_helper(config: Any, wrapper: Any, spec: ModelSpec) -> Any:
+def _graph_helper(config: Any, wrapper: Any, spec: ModelSpec, microbatches: int) -> Any:
     """megatron-core's TransformerEngine CUDA-graph helper for ``cuda_graph="te"`` (None
     otherwise): it captures every layer after ``cuda_graph_warmup_steps`` steps, as megatron's
     training loop drives it. The local capture needs no helper: its layers capture
     themselves."""
     if spec.cuda_graph != "te":  # megatron-core cuda_graph_impl "transformer_engine"
         return None
+    from megatron.core.num_microbatches_calculator import (
+        destroy_num_microbatches_calculator,
+        init_num_microbatches_calculator,
+    )
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
+    # The capture sizes its warmup by megatron's global microbatch calculator, which megatron's
+    # training loop sets up: one microbatch count of this run, data parallel over the world.
+    world = distributed.world_size()
+    destroy_num_microbatches_calculator()
+    init_num_microbatches_calculator(
+        rank=distributed.rank(),
+        global_batch_size=spec.micro_batch_size * microbatches * world,
+        micro_batch_size=spec.micro_batch_size,
+        data_parallel_size=world,
+    )
     return TECudaGraphHelper(
         model=[wrapper],
         config=config,

@@ -434,7 +434,10 @@ def _signature(copy: Copy, any_window: bool = False) -> tuple[Any, ...]:
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    """The address of ``t``'s storage (a DTensor's: its local shard's; a DTensor has no
+    storage of its own)."""
+    local = getattr(t, "_local_tensor", None)
+    return (local if local is not None else t).untyped_storage().data_ptr()
 
 
 class _Noted:
@@ -516,7 +519,8 @@ class CopyObserver(TorchDispatchMode):
         with self.lock:
             for t in tensors:
                 if isinstance(t, torch.Tensor):
-                    self.marked[_storage(t)] = weakref.ref(t)
+                    local = getattr(t, "_local_tensor", t)  # a DTensor by its local shard
+                    self.marked[_storage(local)] = weakref.ref(local)
 
     def _is_marked(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s storage is a marked tensor's, while that tensor still owns the

@@ -422,3 +422,80 @@ def test_a_config_error_without_knobs_is_the_harness_error_not_a_refusal(
             spec, SEED_CASE.run_spec(), OffloadConfig(offload_modules=("core_attn",))
         )
     assert not isinstance(raised.value, Refused)
+
+
+def test_layer_tracker_without_hooks_leaves_layers_capturable() -> None:
+    """CUDA-graph rows track layers by wrapping ``forward``: megatron-core refuses to capture a
+    module with pre-forward hooks."""
+    from harness.mcore_models import LayerTracker
+
+    layers = [torch.nn.Linear(2, 2) for _ in range(3)]
+    model = types.SimpleNamespace(decoder=types.SimpleNamespace(layers=layers))
+    tracker = LayerTracker(model, hooks=False)
+    assert not any(layer._forward_pre_hooks for layer in layers)
+    layers[2](torch.ones(1, 2))
+    assert tracker() == 2
+    layers[1](torch.ones(1, 2))
+    assert tracker() == 1
+    tracker.remove()
+    assert all("forward" not in vars(layer) for layer in layers)
+    hooked = LayerTracker(model)
+    assert all(layer._forward_pre_hooks for layer in layers)
+    layers[0](torch.ones(1, 2))
+    assert hooked() == 0
+    hooked.remove()
+
+
+def test_observer_marks_a_sharded_parameter_by_its_local_shard() -> None:
+    """Megatron-FSDP v2 marks its DTensor parameters not-offloadable; a DTensor has no storage
+    of its own (its ``untyped_storage`` raised on the H200), so the mark is its shard's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from harness import distributed
+    from harness.observe import CopyObserver, _WindowState
+
+    distributed.ensure_process_group(torch.device("cpu"))
+    mesh = init_device_mesh("cpu", (1,))
+    weight = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    observer = CopyObserver(_WindowState(), torch.device("cpu"))
+    observer.mark([weight])
+    assert observer._is_marked(weight.to_local())
+    assert not observer._is_marked(torch.ones(4, 4))
+
+
+def test_a_refused_configuration_is_a_skipped_case_everywhere(tmp_path: Path) -> None:
+    """A case whose every check skipped (the library refused its configuration) is neither a
+    pass nor a failure: its verdict, the JUnit file and the check itself say skip."""
+    from xml.etree import ElementTree
+
+    from harness import judge
+    from harness.report import write_junit
+
+    refused = "megatron-core 0.19.2 refuses recompute moe with this case: AssertionError: no"
+    outcomes = (
+        judge.CheckOutcome(name="equivalence", status="skip", reason=refused),
+        judge.CheckOutcome(name="sync", status="n-a", reason="not guarded"),
+    )
+    skipped = judge.Judgement(case=MCORE_KNOB_ROWS[0], outcomes=outcomes)
+    assert skipped.verdict == "skip"
+    passed = judge.CheckOutcome(name="leaks", status="pass")
+    assert judge.Judgement(case=MCORE_KNOB_ROWS[0], outcomes=(*outcomes, passed)).verdict == "pass"
+    failed = judge.CheckOutcome(name="leaks", status="fail", problems=("x",))
+    assert judge.Judgement(case=MCORE_KNOB_ROWS[0], outcomes=(*outcomes, failed)).verdict == "fail"
+
+    junit = write_junit(tmp_path, {"cases": [skipped.record()]})
+    suite = ElementTree.parse(junit).getroot()[0]
+    assert (suite.get("skipped"), suite.get("failures")) == ("1", "0")
+    assert suite[0][0].tag == "skipped" and suite[0][0].get("message") == refused
+
+    def refusing(runs: object) -> judge.CheckOutcome:
+        raise Refused(refused)
+
+    saved = judge.CHECKS["leaks"]
+    judge.CHECKS["leaks"] = refusing
+    try:
+        outcome = judge.check("leaks", None)  # type: ignore[arg-type]
+    finally:
+        judge.CHECKS["leaks"] = saved
+    assert (outcome.status, outcome.reason) == ("skip", refused)

@@ -78,3 +78,39 @@ def test_repository_config_runs_without_xdist(pytester: pytest.Pytester) -> None
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
+
+
+def test_a_case_row_under_n_reaches_its_report_entry(tmp_path: Path) -> None:
+    """Under ``-n`` each case test's node id ends in ``@<xdist group>``; the report must still
+    file the test under its case (it did not: every case of a ``-n`` session had no tests and
+    the verdict ``skipped``, seen in the H200 summary.json of the megatron-core family)."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    seed = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "cases/test_equivalence.py::test_no_leaks",
+            "-n",
+            "2",
+            "-k",
+            f"{seed} and not zero3 and not evalfirst and not 6x3",
+            "--report-dir",
+            str(tmp_path),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    (summary,) = tmp_path.glob("*/summary.json")
+    (case,) = json.loads(summary.read_text())["cases"]
+    assert (case["name"], case["verdict"]) == (seed, "pass")
+    assert case["tests"] == {"test_no_leaks": "passed"}
