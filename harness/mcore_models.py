@@ -516,16 +516,11 @@ def train(
     sharding: str,
 ) -> TrainResult:
     """``harness.train.train`` for megatron-core's models (see the module docstring)."""
-    if sharding not in IMPLS[spec.impl].shardings:
-        raise ValueError(
-            f"impl {spec.impl!r} runs sharding {', '.join(IMPLS[spec.impl].shardings)}, "
-            f"not {sharding!r}"
-        )
-    if run.schedule != "sequential":
-        raise ValueError(
-            f"impl 'mcore' runs megatron-core's one-stage schedule (sequential), not "
-            f"{run.schedule!r}"
-        )
+    # The registry's refusal (the one ``Case`` gives); the evaluation pass is left to the case
+    # table, which refuses it for these rows.
+    refused = IMPLS[spec.impl].refuse(schedule=run.schedule, sharding=sharding, eval_first=False)
+    if refused is not None:
+        raise ValueError(refused)
     reason = unavailable_reason(device)
     if reason is not None:
         raise ValueError(reason)
@@ -703,8 +698,10 @@ def _main_grads(named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a (possibly sharded) DTensor, detached, on the CPU."""
-    return _whole(tensor).cpu()
+    """The whole tensor of a (possibly sharded) DTensor, detached, on the CPU (no copy on the
+    device first: the host copy is the copy)."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach().cpu()
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
