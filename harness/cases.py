@@ -378,6 +378,7 @@ paths; bf16 as the seed runs it. Selected by ``--family mcore`` (or ``all``), wi
 ``MCORE_SHARDED_ROWS`` and ``MCORE_KNOB_ROWS``."""
 
 _SEED_MCORE = MCORE_ROWS[0]
+_MOE_MCORE = MCORE_ROWS[2]  # *E*E, expert_fc1 + moe_act, bf16
 MCORE_SHARDED_ROWS: tuple[Case, ...] = (
     _SEED_MCORE.replace(
         sharding="mfsdp",
@@ -406,31 +407,16 @@ MCORE_KNOB_ROWS: tuple[Case, ...] = (
     ),
     _SEED_MCORE.replace(recompute="mlp", description="selective recompute of the dense MLPs"),
     _SEED_MCORE.replace(recompute="full", description="full recompute of every layer"),
-    Case(
-        **_MCORE_SLACK,
-        impl="mcore",
-        family="moe",
-        offload=("expert_fc1", "moe_act"),
-        precision="bf16",
+    _MOE_MCORE.replace(
         recompute="moe_act",
         description="selective recompute of the expert activation, experts offloaded",
     ),
-    Case(
-        **_MCORE_SLACK,
-        impl="mcore",
-        family="moe",
-        offload=("expert_fc1", "moe_act"),
-        precision="bf16",
+    _MOE_MCORE.replace(
         recompute="moe",
         description="the whole MoE layer recomputed while its experts offload",
     ),
     _SEED_MCORE.replace(cuda_graph="te", description="TransformerEngine CUDA graphs per layer"),
-    Case(
-        **_MCORE_SLACK,
-        impl="mcore",
-        family="moe",
-        offload=("expert_fc1", "moe_act"),
-        precision="bf16",
+    _MOE_MCORE.replace(
         cuda_graph="local-moe",
         description="local CUDA graphs of the MoE router and preprocessing, experts offloaded",
     ),

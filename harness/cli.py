@@ -43,6 +43,7 @@ from harness.offload.backends import (
 )
 from harness.report import (
     claim_run_folder,
+    skip_reason,
     summary_text,
     verdict_table,
     write_junit,
@@ -305,8 +306,7 @@ def command_run(args: argparse.Namespace) -> int:
     failed = sum(c["verdict"] not in ("pass", "skip") for c in summary["cases"])
     skipped = [c for c in summary["cases"] if c["verdict"] == "skip"]
     for case in skipped:
-        reasons = [c["reason"] for c in case["checks"].values() if c.get("status") == "skip"]
-        print(f"\nSKIP {case['name']}: {reasons[0] if reasons else 'skipped'}")
+        print(f"\nSKIP {case['name']}: {skip_reason(case)}")
     passed = len(cases) - failed - len(skipped)
     also = f", {len(skipped)} skipped" if skipped else ""
     print(f"\n{passed}/{len(cases)} cases passed{also} in {summary['seconds']:.1f}s; {where}")

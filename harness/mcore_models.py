@@ -725,11 +725,10 @@ def _dtensor_grads(named: list[tuple[str, Any]]) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------ wrappers (sharding)
 @dataclass
 class Trainer:
-    """How one sharding trains: the wrapper the schedule runs, the optimizer, and the step's
+    """How one sharding trains: the wrapper the schedule runs, and the step's
     gradient zeroing, gradient reading, update, final state and tensors to free."""
 
     wrapper: Any
-    optimizer: Any
     zero_grad: Callable[[], None]
     grads: Callable[[], dict[str, torch.Tensor]]
     step: Callable[[], None]
@@ -782,7 +781,6 @@ def _megatron_trainer(
 
     return Trainer(
         wrapper=wrapper,
-        optimizer=optimizer,
         zero_grad=zero_grad,
         grads=grads,
         step=optimizer.step,
@@ -882,7 +880,6 @@ def _mfsdp2_trainer(config: Any, model: Any, module: Any, run: RunSpec) -> Train
 
     return Trainer(
         wrapper=module,
-        optimizer=optimizer,
         zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
         grads=lambda: _dtensor_grads(list(model.named_parameters())),
         step=step,

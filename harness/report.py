@@ -273,6 +273,14 @@ def write_summary(
     return path
 
 
+def skip_reason(case: dict[str, Any]) -> str:
+    """Why a case record with the verdict ``skip`` skipped: its first skipped check's reason."""
+    reasons = [
+        c.get("reason", "") for c in case.get("checks", {}).values() if c["status"] == "skip"
+    ]
+    return next((r for r in reasons if r), "skipped")
+
+
 def write_junit(folder: Path, summary: dict[str, Any]) -> Path:
     """``junit.xml`` of a CLI run: one testcase per case, its problems as the failure text
     (pytest sessions get pytest's own JUnit XML instead)."""
@@ -299,9 +307,8 @@ def write_junit(folder: Path, summary: dict[str, Any]) -> Path:
             time=str(case.get("duration", case.get("seconds", 0))),
         )
         if case["verdict"] == "skip":
-            reasons = [c.get("reason", "") for c in case.get("checks", {}).values()]
             skip = ElementTree.SubElement(element, "skipped")
-            skip.set("message", next((r for r in reasons if r), "skipped")[:500])
+            skip.set("message", skip_reason(case)[:500])
         elif case["verdict"] != "pass":
             problems = case.get("problems") or ["failed"]
             failure = ElementTree.SubElement(element, "failure", message=problems[0][:500])
