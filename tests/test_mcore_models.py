@@ -455,13 +455,18 @@ def test_observer_marks_a_sharded_parameter_by_its_local_shard() -> None:
     from harness import distributed
     from harness.observe import CopyObserver, _WindowState
 
+    started = not distributed.initialized()
     distributed.ensure_process_group(torch.device("cpu"))
-    mesh = init_device_mesh("cpu", (1,))
-    weight = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
-    observer = CopyObserver(_WindowState(), torch.device("cpu"))
-    observer.mark([weight])
-    assert observer._is_marked(weight.to_local())
-    assert not observer._is_marked(torch.ones(4, 4))
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+        observer = CopyObserver(_WindowState(), torch.device("cpu"))
+        observer.mark([weight])
+        assert observer._is_marked(weight.to_local())
+        assert not observer._is_marked(torch.ones(4, 4))
+    finally:
+        if started:  # the tests that need a process without a group still find one
+            distributed.shutdown()
 
 
 def test_a_refused_configuration_is_a_skipped_case_everywhere(tmp_path: Path) -> None:
