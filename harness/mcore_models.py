@@ -526,94 +526,132 @@ def train(
         raise ValueError(reason)
     ensure_parallel_state(device)
     _warm_process(spec, run, device, sharding)
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.module import Float16Module
+    with _graph_scope(spec, device):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.module import Float16Module
 
-    inner = innermost(offloader)  # a wrapper (harness windows, the sync guard) drives it
-    mode = _mode(inner)
-    offload = getattr(inner, "config", None) if mode != "plain" else None
-    if mode != "plain" and not isinstance(offload, OffloadConfig):
-        raise ValueError(f"backend {offloader.name!r} has no OffloadConfig for megatron-core")
-    config = transformer_config(spec, run, offload)
-    model = build_model(spec, run, config, device)
-    tracker = LayerTracker(model, hooks=not spec.cuda_graph)
-    module = Float16Module(config, model) if run.precision == "bf16" else model
-    trainer = TRAINERS[sharding](config, model, module, run)
-    ddp = trainer.wrapper
-    if hooks.model_ready is not None:  # after bf16 casting and the wrapper moved the weights
-        hooks.model_ready(model)
-    graphs = _graph_helper(config, ddp, spec, run.microbatches)
-    shard = distributed.rank() if sharding != "none" else 0
-    data = make_batches(
-        spec, seed=run.seed, steps=run.steps, microbatches=run.microbatches, shard=shard
-    )
-    data = data.to(device)
-    B, T = spec.micro_batch_size, spec.seq_length
-    positions = torch.arange(T, device=device).unsqueeze(0).expand(B, T)
-    losses = torch.zeros(run.steps, run.microbatches, device=device)
-    grads: list[dict[str, torch.Tensor]] = []
-    forward_backward = get_forward_backward_func()
-
-    def one_pass(step: int, batches: torch.Tensor, forward_only: bool) -> None:
-        def forward_step(data_iterator: Iterator[int], net: Any) -> Any:
-            mb = next(data_iterator)
-            offloader.begin_microbatch(mb)
-            tokens = batches[mb]
-            inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-            # attention_mask None: TransformerEngine builds the causal mask itself (a given mask
-            # is OR-ed with it).
-            output = net(inputs, positions, None, labels=labels)
-
-            def loss_func(per_token: torch.Tensor) -> Any:
-                loss = per_token.float().mean()
-                if not forward_only:
-                    losses[step, mb].copy_(loss.detach())
-                    if hooks.after_forward is not None:
-                        hooks.after_forward(step, mb)
-                return loss, {"loss": loss.detach()}
-
-            return output, loss_func
-
-        forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(range(run.microbatches)),
-            model=[ddp],
-            num_microbatches=run.microbatches,
-            seq_length=T,
-            micro_batch_size=B,
-            forward_only=forward_only,
+        inner = innermost(offloader)  # a wrapper (harness windows, the sync guard) drives it
+        mode = _mode(inner)
+        offload = getattr(inner, "config", None) if mode != "plain" else None
+        if mode != "plain" and not isinstance(offload, OffloadConfig):
+            raise ValueError(f"backend {offloader.name!r} has no OffloadConfig for megatron-core")
+        config = transformer_config(spec, run, offload)
+        model = build_model(spec, run, config, device)
+        tracker = LayerTracker(model, hooks=not spec.cuda_graph)
+        module = Float16Module(config, model) if run.precision == "bf16" else model
+        trainer = TRAINERS[sharding](config, model, module, run)
+        ddp = trainer.wrapper
+        if hooks.model_ready is not None:  # after bf16 casting and the wrapper moved the weights
+            hooks.model_ready(model)
+        graphs = _graph_helper(config, ddp, spec, run.microbatches)
+        shard = distributed.rank() if sharding != "none" else 0
+        data = make_batches(
+            spec, seed=run.seed, steps=run.steps, microbatches=run.microbatches, shard=shard
         )
-        offloader.end_iteration()
+        data = data.to(device)
+        B, T = spec.micro_batch_size, spec.seq_length
+        positions = torch.arange(T, device=device).unsqueeze(0).expand(B, T)
+        losses = torch.zeros(run.steps, run.microbatches, device=device)
+        grads: list[dict[str, torch.Tensor]] = []
+        forward_backward = get_forward_backward_func()
 
-    with _wired(mode, offloader, model, tracker):
-        if run.eval_first:
-            ddp.eval()
-            with torch.no_grad():
-                one_pass(0, data[0], forward_only=True)
-            ddp.train()
-        for step in range(run.steps):
-            context = hooks.step_context(step) if hooks.step_context else contextlib.nullcontext()
-            with context:
-                if graphs is not None and step == config.cuda_graph_warmup_steps:
-                    graphs.create_cudagraphs()  # as megatron's training loop: after the warmup
-                    graphs.cuda_graph_set_manual_hooks()
-                trainer.zero_grad()
-                compute = hooks.compute_context(step) if hooks.compute_context else None
-                with compute or contextlib.nullcontext():
-                    one_pass(step, data[step], forward_only=False)
-                if keep_grads:
-                    grads.append(trainer.grads())
-                trainer.step()
-    tracker.remove()
-    state = trainer.state() if keep_final_state else {}
-    result = TrainResult(
-        losses=losses.cpu(), logs=offloader.iteration_logs(), grads=grads, final_state=state
-    )
-    if graphs is not None and graphs.graphs_created():  # a 1-step run captures none
-        graphs.delete_cuda_graphs()
-    _release(trainer.tensors())
-    _clear_forward_caches(model)
-    return result
+        def one_pass(step: int, batches: torch.Tensor, forward_only: bool) -> None:
+            def forward_step(data_iterator: Iterator[int], net: Any) -> Any:
+                mb = next(data_iterator)
+                offloader.begin_microbatch(mb)
+                tokens = batches[mb]
+                inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+                # attention_mask None: TransformerEngine builds the causal mask itself (a given mask
+                # is OR-ed with it).
+                output = net(inputs, positions, None, labels=labels)
+
+                def loss_func(per_token: torch.Tensor) -> Any:
+                    loss = per_token.float().mean()
+                    if not forward_only:
+                        losses[step, mb].copy_(loss.detach())
+                        if hooks.after_forward is not None:
+                            hooks.after_forward(step, mb)
+                    return loss, {"loss": loss.detach()}
+
+                return output, loss_func
+
+            forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(range(run.microbatches)),
+                model=[ddp],
+                num_microbatches=run.microbatches,
+                seq_length=T,
+                micro_batch_size=B,
+                forward_only=forward_only,
+            )
+            offloader.end_iteration()
+
+        with _wired(mode, offloader, model, tracker):
+            if run.eval_first:
+                ddp.eval()
+                with torch.no_grad():
+                    one_pass(0, data[0], forward_only=True)
+                ddp.train()
+            for step in range(run.steps):
+                context = hooks.step_context(step) if hooks.step_context else None
+                with context or contextlib.nullcontext():
+                    if graphs is not None and step == config.cuda_graph_warmup_steps:
+                        graphs.create_cudagraphs()  # as megatron's training loop: after the warmup
+                        graphs.cuda_graph_set_manual_hooks()
+                    trainer.zero_grad()
+                    compute = hooks.compute_context(step) if hooks.compute_context else None
+                    with compute or contextlib.nullcontext():
+                        one_pass(step, data[step], forward_only=False)
+                    if keep_grads:
+                        grads.append(trainer.grads())
+                    trainer.step()
+        tracker.remove()
+        state = trainer.state() if keep_final_state else {}
+        result = TrainResult(
+            losses=losses.cpu(), logs=offloader.iteration_logs(), grads=grads, final_state=state
+        )
+        if graphs is not None and graphs.graphs_created():  # a 1-step run captures none
+            graphs.delete_cuda_graphs()
+        _release(trainer.tensors())
+        _clear_forward_caches(model)
+        return result
+
+
+@contextlib.contextmanager
+def _graph_scope(spec: ModelSpec, device: torch.device) -> Iterator[None]:
+    """A CUDA-graph row's run (nothing for the others): on a side stream, with megatron-core's
+    process-wide graph state reset afterwards, however the run ended.
+
+    The stream: a stream capture must not depend on the legacy default stream, yet autograd
+    runs a parameter's gradient accumulation on the stream its node was made on, and
+    megatron-core's DDP makes those nodes when it wraps the model. On the default stream, the
+    H200's first capture failed in TransformerEngine's backward ("operation would make the
+    legacy stream depend on a capturing blocking stream"); megatron-core's own local graph
+    manager moves to a side stream for the same reason. The state: a capture that raised
+    leaves megatron-core "capturing", and the local capture's record says "created" until
+    ``delete_cuda_graphs``, so the next model of the process (the next baseline) found no graph
+    runners of its own ("`cudagraph_created` is set to True but no matching cudagraph
+    runners")."""
+    if not spec.cuda_graph:
+        yield
+        return
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+    from megatron.core.transformer import cuda_graphs
+
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        torch.cuda.current_stream(device).wait_stream(stream)
+        cuda_graphs._set_capture_end()
+        with contextlib.suppress(ImportError):  # TransformerEngine keeps its own flag
+            from transformer_engine.pytorch.graph import set_capture_end
+
+            set_capture_end()
+        cuda_graphs.delete_cuda_graphs()
+        destroy_num_microbatches_calculator()
 
 
 def _clear_forward_caches(model: torch.nn.Module) -> None:

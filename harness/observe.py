@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.offload.protocol import Group, IterationLog, Offloader, Output, Wrapper
+from harness.offload.protocol import Group, IterationLog, Offloader, Output, Wrapper, local_tensor
 from harness.offload.ranges import Direction, RangeKey, current_range, watching
 from harness.transfers import DIRECTIONS, Counts, TransferCounts
 
@@ -257,7 +257,7 @@ class Windowed(Wrapper):
         copy out (a sharded parameter by its local shard). The ``model_ready`` run hook."""
         weights: dict[int, list[_Noted]] = {}
         for name, param in model.named_parameters():
-            local = _shard(param)
+            local = local_tensor(param)
             if local.untyped_storage().nbytes():
                 weights.setdefault(_storage(local), []).append(_Noted(f"parameter {name}", local))
         self.state.weights = weights
@@ -433,16 +433,9 @@ def _signature(copy: Copy, any_window: bool = False) -> tuple[Any, ...]:
     return None if any_window else copy.group, copy.direction, copy.op, copy.nbytes
 
 
-def _shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly sharded) tensor: a DTensor's local tensor (the object it
-    holds, so a weak reference to it lives as long as the DTensor), else ``t``. A DTensor has
-    no storage of its own."""
-    return getattr(t, "_local_tensor", t)
-
-
 def _storage(t: torch.Tensor) -> int:
     """The address of ``t``'s storage (a DTensor's: its local shard's)."""
-    return _shard(t).untyped_storage().data_ptr()
+    return local_tensor(t).untyped_storage().data_ptr()
 
 
 class _Noted:
@@ -524,7 +517,7 @@ class CopyObserver(TorchDispatchMode):
         with self.lock:
             for t in tensors:
                 if isinstance(t, torch.Tensor):
-                    self.marked[_storage(t)] = weakref.ref(_shard(t))
+                    self.marked[_storage(t)] = weakref.ref(local_tensor(t))
 
     def _is_marked(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s storage is a marked tensor's, while that tensor still owns the

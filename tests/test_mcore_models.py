@@ -6,9 +6,11 @@ runs of ``pytest cases/ --family mcore`` exercise them."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ from harness.cases import (
 from harness.mcore_models import (
     TRAINERS,
     Bridge,
+    _graph_scope,
     knob_fields,
     model_layers,
     transformer_config,
@@ -446,14 +449,17 @@ def test_layer_tracker_without_hooks_leaves_layers_capturable() -> None:
     hooked.remove()
 
 
-def test_observer_marks_a_sharded_parameter_by_its_local_shard() -> None:
+def test_sharded_parameters_are_marked_by_their_local_shard() -> None:
     """Megatron-FSDP v2 marks its DTensor parameters not-offloadable; a DTensor has no storage
-    of its own (its ``untyped_storage`` raised on the H200), so the mark is its shard's."""
+    of its own (its ``untyped_storage`` raised on the H200, first in the copy observer, then in
+    the recording offloader), so the observer, the recorder and the reference offloader each
+    keep the mark by the shard's storage."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from harness import distributed
     from harness.observe import CopyObserver, _WindowState
+    from harness.offload.reference import OffloadContext
 
     started = not distributed.initialized()
     distributed.ensure_process_group(torch.device("cpu"))
@@ -464,6 +470,15 @@ def test_observer_marks_a_sharded_parameter_by_its_local_shard() -> None:
         observer.mark([weight])
         assert observer._is_marked(weight.to_local())
         assert not observer._is_marked(torch.ones(4, 4))
+        config = OffloadConfig(offload_modules=("core_attn",), min_offloaded_tensor_size=1)
+        recorder = RecordingOffloader(config, "cpu")
+        recorder.mark_not_offloadable(weight)
+        assert recorder.describe(weight.to_local()).parameter
+        assert not recorder.describe(torch.ones(4, 4)).parameter
+        reference = OffloadContext(config, "cpu")
+        reference.mark_not_offloadable(weight)
+        assert reference._is_marked(weight.to_local())
+        assert reference._eligible(torch.ones(4, 4))
     finally:
         if started:  # the tests that need a process without a group still find one
             distributed.shutdown()
@@ -504,3 +519,56 @@ def test_a_refused_configuration_is_a_skipped_case_everywhere(tmp_path: Path) ->
     finally:
         judge.CHECKS["leaks"] = saved
     assert (outcome.status, outcome.reason) == ("skip", refused)
+
+
+def test_a_graph_row_runs_on_a_side_stream_and_resets_megatron_graph_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA-graph row trains on a side stream (a capture must not depend on the legacy
+    default stream), and megatron-core's process-wide graph state is reset when its run ends,
+    a run that raised mid-capture included; the other rows are left alone."""
+    calls: list[str] = []
+    graphs = types.ModuleType("megatron.core.transformer.cuda_graphs")
+    graphs._set_capture_end = lambda: calls.append("capture end")  # type: ignore[attr-defined]
+    graphs.delete_cuda_graphs = lambda: calls.append("delete graphs")  # type: ignore[attr-defined]
+    micro = types.ModuleType("megatron.core.num_microbatches_calculator")
+    micro.destroy_num_microbatches_calculator = lambda: calls.append("calculator")  # type: ignore[attr-defined]
+    for name in ("megatron", "megatron.core", "megatron.core.transformer"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["megatron.core.transformer"].cuda_graphs = graphs  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, graphs.__name__, graphs)
+    monkeypatch.setitem(sys.modules, micro.__name__, micro)
+
+    class Stream:
+        def __init__(self, device: object = None) -> None:
+            self.device = device
+
+        def wait_stream(self, other: object) -> None:
+            calls.append("wait")
+
+    made: list[Stream] = []
+    entered: list[Stream] = []
+
+    def new_stream(device: object = None) -> Stream:
+        made.append(Stream(device))
+        return made[-1]
+
+    @contextlib.contextmanager
+    def on(stream: Stream) -> Iterator[None]:
+        entered.append(stream)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    graph_row = next(c for c in MCORE_KNOB_ROWS if c.cuda_graph == "te")
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with _graph_scope(graph_row.model_spec("tiny"), torch.device("cuda", 0)):
+            assert entered == made[:1]
+            raise RuntimeError("capture failed")
+    assert calls == ["wait", "wait", "capture end", "delete graphs", "calculator"]
+    calls.clear()
+    entered.clear()
+    with _graph_scope(MCORE_KNOB_ROWS[0].model_spec("tiny"), torch.device("cuda", 0)):
+        pass
+    assert not calls and not entered

@@ -37,6 +37,16 @@ Output = TypeVar("Output")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a possibly sharded tensor: a DTensor's local shard (the object it
+    holds, so a weak reference to it lives as long as the DTensor), else ``tensor`` itself.
+
+    A DTensor has no storage of its own (``untyped_storage().data_ptr()`` raises), yet models
+    mark sharded parameters not-offloadable (Megatron-FSDP's ``fully_shard``): an offloader
+    keeps such a mark by its shard's storage."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
 @runtime_checkable
 class Group(Protocol):
     """One group occurrence (one name, one layer, one microbatch)."""

@@ -18,7 +18,7 @@ import torch
 
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import PassThroughGroup, apply_to_first
-from harness.offload.protocol import Capabilities, IterationLog, Output
+from harness.offload.protocol import Capabilities, IterationLog, Output, local_tensor
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,7 +172,7 @@ class RecordingOffloader:
         return _RecordingGroup(self, key, x)
 
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
-        for tensor in tensors:
+        for tensor in map(local_tensor, tensors):
             self._marked[tensor.untyped_storage().data_ptr()] = tensor
 
     def describe(self, tensor: torch.Tensor) -> SavedInfo:

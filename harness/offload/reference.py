@@ -48,7 +48,13 @@ from harness.offload.config import MOE_EXPERT_NAMES, OffloadConfig
 from harness.offload.passthrough import PassThroughGroup, apply_to_first
 from harness.offload.policy import apply_post_warmup
 from harness.offload.pool import HostBufferPool, staging_buffer
-from harness.offload.protocol import Capabilities, GroupRecord, IterationLog, Output
+from harness.offload.protocol import (
+    Capabilities,
+    GroupRecord,
+    IterationLog,
+    Output,
+    local_tensor,
+)
 from harness.offload.ranges import Direction, profiler_range
 from harness.predict import MEGATRON_MAIN
 
@@ -336,7 +342,7 @@ class OffloadContext:
         return group
 
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
-        for tensor in tensors:
+        for tensor in map(local_tensor, tensors):  # a DTensor by its shard (no storage of its own)
             # Models mark every parameter on every forward: one already marked at its current
             # address needs nothing more. The fast path holds only while the tensor's mark is
             # the one at its address: a stale mark dropped by _is_marked, or another tensor
