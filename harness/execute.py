@@ -706,17 +706,6 @@ class MemoryResult:
         return self.baseline_allocated - self.offload_allocated
 
 
-def memory_unsupported(case: Case) -> str | None:
-    """Why the memory check does not apply to ``case`` (None when it does)."""
-    if case.sharding == "zero3":
-        return (
-            "memory not checked under ZeRO-3 yet: on the H200 the offload run still held "
-            "FSDP2-sized blocks (1-64 MiB) after the last forward that the baseline had freed, "
-            "so the byte-exact drop cannot be attributed to the offloader"
-        )
-    return None
-
-
 def run_memory(case: Case, env: Environment) -> MemoryResult:
     """Baseline vs offload memory after the last forward and at the final step's peak.
 
@@ -889,10 +878,12 @@ def _requested(blocks: Counter[Block]) -> Counter[int]:
 
 
 def _settled(device: torch.device) -> None:
-    """Let everything pending be freed (collect cycles, finish the streams, free blocks whose
-    record_stream events completed)."""
+    """Let everything pending be freed (collect cycles, finish the streams, let the process
+    group drop finished collectives' tensors, free blocks whose record_stream events
+    completed)."""
     gc.collect()
     torch.cuda.synchronize(device)
+    distributed.collectives_released()  # a sharded run's collective buffers (NCCL keeps them)
     torch.cuda.empty_cache()
 
 

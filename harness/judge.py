@@ -40,7 +40,7 @@ from harness.checks import (
     transfer_problems,
     weight_problems,
 )
-from harness.execute import CaseRun, Environment, MemoryResult, memory_unsupported, run_case
+from harness.execute import CaseRun, Environment, MemoryResult, run_case
 from harness.impls import IMPLS
 from harness.predict import SIMPLEST
 from harness.report import case_record, memory_record
@@ -235,9 +235,6 @@ def _weights(runs: CaseRuns) -> CheckOutcome:
 def _memory(runs: CaseRuns) -> CheckOutcome:
     if runs.env.device.type != "cuda":
         return _not_applicable("memory", "needs a CUDA device (the caching allocator's figures)")
-    reason = memory_unsupported(runs.case)
-    if reason is not None:
-        return _not_applicable("memory", reason)
     res = runs.memory()
     return _from_problems("memory", memory_problems(res), **memory_record(res))
 

@@ -596,8 +596,12 @@ def train(
                 context = hooks.step_context(step) if hooks.step_context else None
                 with context or contextlib.nullcontext():
                     if graphs is not None and step == config.cuda_graph_warmup_steps:
-                        graphs.create_cudagraphs()  # as megatron's training loop: after the warmup
-                        graphs.cuda_graph_set_manual_hooks()
+                        # as megatron's training loop: after the warmup; the replayed layers
+                        # take the parameter-gather pre-hooks by hand only where those overlap
+                        # (megatron-core asserts otherwise)
+                        graphs.create_cudagraphs()
+                        if getattr(ddp.ddp_config, "overlap_param_gather", False):
+                            graphs.cuda_graph_set_manual_hooks()
                     trainer.zero_grad()
                     compute = hooks.compute_context(step) if hooks.compute_context else None
                     with compute or contextlib.nullcontext():

@@ -104,6 +104,50 @@ def test_single_rank_group_needs_no_port_and_is_destroyed() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+def test_collectives_released_waits_for_nccl_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under NCCL the memory reading waits for the watchdog to drop finished collectives'
+    tensors; gloo keeps none, and no group means nothing to wait for."""
+    waited: list[str] = []
+
+    class Group:
+        def _wait_for_pending_works(self) -> None:
+            waited.append("nccl")
+
+    monkeypatch.setattr(distributed, "initialized", lambda: True)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: Group())
+    for backend in ("gloo", "nccl"):
+        monkeypatch.setattr(dist, "get_backend", lambda backend=backend: backend)
+        distributed.collectives_released()
+    assert waited == ["nccl"]
+    monkeypatch.setattr(distributed, "initialized", lambda: False)
+    distributed.collectives_released()
+    assert waited == ["nccl"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
+def test_nccl_lets_go_of_a_finished_collective_once_released() -> None:
+    """The mechanism the ZeRO-3 memory reading relies on, on the device: after a one-rank NCCL
+    all-gather whose tensors the caller dropped, ``collectives_released`` leaves nothing of it
+    allocated (in a child process: NCCL's group stays out of this one)."""
+    code = (
+        "import torch; from harness import distributed as d\n"
+        "dev = torch.device('cuda', 0); d.ensure_process_group(dev)\n"
+        "torch.cuda.synchronize(); torch.cuda.empty_cache()\n"
+        "floor = torch.cuda.memory_allocated()\n"
+        "x = torch.ones(1 << 24, device=dev); out = torch.empty_like(x)\n"
+        "torch.distributed.all_gather_into_tensor(out, x); del x, out\n"
+        "torch.cuda.synchronize(); d.collectives_released(); torch.cuda.empty_cache()\n"
+        "print(torch.cuda.memory_allocated() - floor); d.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "0", done.stdout
+
+
 # ----------------------------------------------------------------------- plugin, pure parts
 def test_collection_difference_names_the_first_differing_position() -> None:
     same = [["a", "b"], ["a", "b"]]
