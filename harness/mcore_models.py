@@ -219,6 +219,16 @@ def transformer_config(
     knobs = knob_fields(spec)
     if not knobs:
         return make(**fields)
+    if spec.cuda_graph == "te" and not hasattr(torch.autograd.graph, STALE_CAPTURE_OVERRIDE):
+        raise Refused(
+            f"TransformerEngine's CUDA-graph capture of megatron-core's layers needs torch's "
+            f"torch.autograd.graph.{STALE_CAPTURE_OVERRIDE} (pytorch#180090), which torch "
+            f"{torch.__version__} lacks: on the H200 with torch 2.11 the capture failed in the "
+            "plain baseline, before any offloading (autograd's gradient-accumulation nodes, "
+            "made before the capture, held a stream outside it: 'capturing stream has unjoined "
+            "work' on a side stream, 'legacy stream depend on a capturing blocking stream' on "
+            "the default one)"
+        )
     make(**fields)  # without the knobs first: an error there is the harness's, not a refusal
     try:
         return make(**fields, **knobs)
@@ -621,6 +631,12 @@ def train(
         return result
 
 
+STALE_CAPTURE_OVERRIDE = "set_override_stale_capture_stream"
+"""torch's switch (pytorch#180090) that lets autograd nodes made before a CUDA-graph capture
+(megatron-core's DDP makes its gradient-accumulation nodes when it wraps the model) run
+inside it: the TransformerEngine CUDA-graph rows need it."""
+
+
 @contextlib.contextmanager
 def _graph_scope(spec: ModelSpec, device: torch.device) -> Iterator[None]:
     """A CUDA-graph row's run (nothing for the others): on a side stream, with megatron-core's
@@ -644,10 +660,15 @@ def _graph_scope(spec: ModelSpec, device: torch.device) -> Iterator[None]:
 
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
+    override = getattr(torch.autograd.graph, STALE_CAPTURE_OVERRIDE, None)
+    if override is not None:  # as megatron-core's own full-iteration capture does
+        override(True)
     try:
         with torch.cuda.stream(stream):
             yield
     finally:
+        if override is not None:
+            override(False)
         torch.cuda.current_stream(device).wait_stream(stream)
         cuda_graphs._set_capture_end()
         with contextlib.suppress(ImportError):  # TransformerEngine keeps its own flag

@@ -7,6 +7,7 @@ runs of ``pytest cases/ --family mcore`` exercise them."""
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 import types
@@ -413,6 +414,24 @@ def test_a_knob_megatron_refuses_is_a_refusal_with_its_message(
         )
     # first without the knobs (accepted), then with them
     assert [("recompute_granularity" in fields) for _, fields in built] == [False, True]
+
+
+def test_te_graph_rows_need_torchs_stale_capture_override(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without torch's stale-capture-stream switch the TransformerEngine graph row is refused
+    before any training, naming the torch; with it, the config is built as for any knob."""
+    built = _refusing_megatron(monkeypatch, "no such field")
+    spec = ModelSpec(pattern="+-+-+-", impl="mcore", cuda_graph="te")
+    offload = OffloadConfig(offload_modules=("core_attn",))
+    monkeypatch.setattr(torch.autograd.graph, "set_override_stale_capture_stream", print)
+    transformer_config(spec, SEED_CASE.run_spec(), offload)
+    assert built[-1][1]["cuda_graph_impl"] == "transformer_engine"
+    monkeypatch.delattr(torch.autograd.graph, "set_override_stale_capture_stream")
+    with pytest.raises(Refused, match=rf"torch {re.escape(torch.__version__)} lacks"):
+        transformer_config(spec, SEED_CASE.run_spec(), offload)
+    local = ModelSpec(pattern="*E*E", impl="mcore", cuda_graph="local-moe")
+    transformer_config(local, SEED_CASE.run_spec(), OffloadConfig(offload_modules=("moe_act",)))
 
 
 def test_a_config_error_without_knobs_is_the_harness_error_not_a_refusal(

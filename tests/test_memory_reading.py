@@ -230,3 +230,34 @@ def test_allocation_sites_are_recorded_only_during_the_memory_runs(monkeypatch) 
     with pytest.raises(RuntimeError), execute._allocation_sites(device):
         raise RuntimeError("a run failed")
     assert [c["enabled"] for c in calls] == ["state", None]
+
+
+def test_a_zero3_reading_after_runs_freed_earlier_blocks_is_not_attributable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under ZeRO-3 a reading whose runs freed blocks live before they started is n-a with the
+    figures (on the H200 such readings were off by hundreds of MB with nothing to attribute);
+    a clean one is judged exactly, and other shardings keep their exact judgement."""
+    from harness import judge
+    from harness.cases import zero3_rows
+
+    zero3 = zero3_rows(full=False)[0]
+
+    class Runs:
+        def __init__(self, case: Case, res: MemoryResult) -> None:
+            self.case, self._res = case, res
+            self.env = execute.Environment(device=torch.device("cuda", 0))
+
+        def memory(self) -> MemoryResult:
+            return self._res
+
+    dirty = _result(case=zero3, floor_freed=(18, 264_425_472), offload_requested=10_001)
+    outcome = judge._memory(Runs(zero3, dirty))  # type: ignore[arg-type]
+    assert outcome.status == "n-a"
+    assert "freed 18 blocks (264425472 B)" in outcome.reason
+    assert outcome.record["memory"]["floor_freed_blocks"] == 18
+    assert judge._memory(Runs(zero3, _result(case=zero3))).status == "pass"  # type: ignore[arg-type]
+    wrong = _result(case=zero3, offload_requested=10_001)
+    assert judge._memory(Runs(zero3, wrong)).status == "fail"  # type: ignore[arg-type]
+    unsharded = dataclasses.replace(dirty, case=SEED_CASE)
+    assert judge._memory(Runs(SEED_CASE, unsharded)).status == "fail"  # type: ignore[arg-type]
