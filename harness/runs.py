@@ -48,6 +48,7 @@ class TrainResult:
 
 class Refused(ValueError):
     """The model's own library refuses the case's configuration before any training (e.g.
-    megatron-core's ``TransformerConfig`` rejecting a knob with offloading). Every check of the
-    case is then a skip whose reason is the library's message: a finding about the library, not
-    a failure of the offloader under test."""
+    megatron-core's ``TransformerConfig`` rejecting a knob with offloading), or the installed
+    torch lacks what the configuration needs (TransformerEngine's CUDA graphs of megatron-core's
+    layers). Every check of the case is then a skip whose reason says which: a finding about the
+    library or the environment, not a failure of the offloader under test."""
