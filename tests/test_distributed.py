@@ -89,6 +89,15 @@ def test_helpers_across_two_gloo_ranks(tmp_path: Path) -> None:
         assert result["none"] == []
 
 
+def _in_a_child(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter outside any torchrun world (no group of this process
+    reaches it)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_PORT")}
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+
+
 def test_single_rank_group_needs_no_port_and_is_destroyed() -> None:
     # A child process of its own: this process's group, if any, does not reach it.
     code = (
@@ -97,10 +106,7 @@ def test_single_rank_group_needs_no_port_and_is_destroyed() -> None:
         "assert d.initialized() and d.world_size() == 1\n"
         "d.shutdown(); assert not d.initialized(); print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_PORT")}
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
-    )
+    done = _in_a_child(code)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
@@ -140,10 +146,7 @@ def test_nccl_lets_go_of_a_finished_collective_once_released() -> None:
         "torch.cuda.synchronize(); d.collectives_released(); torch.cuda.empty_cache()\n"
         "print(torch.cuda.memory_allocated() - floor); d.shutdown()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_PORT")}
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
-    )
+    done = _in_a_child(code)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "0", done.stdout
 
