@@ -142,12 +142,12 @@ def collectives_released() -> None:
     """Return once the process group has let go of the tensors of its finished collectives.
 
     ProcessGroupNCCL keeps each collective's tensors alive (its allocator safety, in place of
-    ``record_stream``) until its watchdog thread finds the work complete and drops it, about a
-    tenth of a second later. On the H200 a ZeRO-3 run's last reduce-scatter buffers were still
-    live when the next run's memory reading took its floor, and were freed during that run,
-    where its own same-sized blocks replaced them unseen. Call it after the device is
-    synchronised (a finished device finishes every collective, so this only waits for the
-    watchdog); no group, or gloo (which keeps nothing), returns at once."""
+    ``record_stream``) until the work is waited on or its watchdog thread drops it, up to a
+    tenth of a second after it completed; a memory reading must not count them, nor see them
+    freed halfway through its runs. Call it after the device is synchronised (a finished device
+    finishes every collective, so this only waits for the watchdog); no group, or gloo, returns
+    at once. On the H200 it did not, on its own, clear the earlier blocks ZeRO-3 memory readings
+    found freed during their runs (``docs/multi-rank.md``)."""
     if initialized() and dist.get_backend() == "nccl":
         dist.distributed_c10d._get_default_group()._wait_for_pending_works()
 

@@ -883,7 +883,7 @@ def _settled(device: torch.device) -> None:
     completed)."""
     gc.collect()
     torch.cuda.synchronize(device)
-    distributed.collectives_released()  # a sharded run's collective buffers (NCCL keeps them)
+    distributed.collectives_released()  # finished collectives' tensors (NCCL keeps them)
     torch.cuda.empty_cache()
 
 
