@@ -41,6 +41,7 @@ from harness.offload.backends import (
     backend_unavailable,
     describe,
 )
+from harness.plots import preload_plotting
 from harness.report import (
     claim_run_folder,
     skip_reason,
@@ -263,6 +264,8 @@ def command_run(args: argparse.Namespace) -> int:
             seconds_so_far = round(time.perf_counter() - start, 2)
             write_summary(folder, finished(), status="running", seconds=seconds_so_far, **fields)
 
+    if folder is not None:
+        preload_plotting()
     try:
         status = run_cases(
             cases,

@@ -170,3 +170,18 @@ def test_session_report_options(pytester: pytest.Pytester) -> None:
 
     result = pytester.runpytest(*PLUGINS, "--report-name", "a/b")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_plotting_preloads_off_the_main_thread_with_the_file_backend() -> None:
+    """``run`` imports matplotlib on a daemon thread while its cases run; the rendering then
+    finds pyplot loaded, on the Agg backend (files only, never a display)."""
+    import sys
+
+    from harness.plots import preload_plotting
+
+    thread = preload_plotting()
+    assert thread.daemon and thread.name == "preload-plotting"
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert "matplotlib.pyplot" in sys.modules and "matplotlib.ticker" in sys.modules
+    assert sys.modules["matplotlib"].get_backend().lower() == "agg"
