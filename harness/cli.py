@@ -44,6 +44,7 @@ from harness.offload.backends import (
 from harness.plots import preload_plotting
 from harness.report import (
     claim_run_folder,
+    is_failure,
     skip_reason,
     summary_text,
     verdict_table,
@@ -306,7 +307,7 @@ def command_run(args: argparse.Namespace) -> int:
             f"\ngolden: {len(missing)} of {len(cases)} cases not compared - "
             f"{missing[0]['golden']['message']}"
         )
-    failed = sum(c["verdict"] not in ("pass", "skip") for c in summary["cases"])
+    failed = sum(map(is_failure, summary["cases"]))
     skipped = [c for c in summary["cases"] if c["verdict"] == "skip"]
     for case in skipped:
         print(f"\nSKIP {case['name']}: {skip_reason(case)}")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.plots import render_plots
+from harness.report import is_failure
 
 _STYLE = """
 body { font-family: sans-serif; font-size: 13px; margin: 1.5em; }
@@ -70,7 +71,7 @@ def _row(index: int, case: dict[str, Any]) -> str:
     tests = case.get("tests", {})
     failed_tests = [name for name, outcome in tests.items() if outcome == "failed"]
     name = _e(case["name"])
-    if case.get("verdict") not in ("pass", "skip"):
+    if is_failure(case):
         name = f'<a href="#case-{index}">{name}</a>'
     memory = case.get("memory")
     mem = (
@@ -128,9 +129,7 @@ def render_index(folder: Path) -> Path:
         note,
         *(f'<p><img src="plots/{p.name}" alt="{_e(p.stem)}"></p>' for p in plots),
     ]
-    failed = [
-        (i, c) for i, c in enumerate(cases, start=1) if c.get("verdict") not in ("pass", "skip")
-    ]
+    failed = [(i, c) for i, c in enumerate(cases, start=1) if is_failure(c)]
     if failed:
         parts += ["<h2>Failures</h2>", *(_problems(i, c) for i, c in failed)]
     parts.append("</body></html>")

@@ -273,6 +273,12 @@ def write_summary(
     return path
 
 
+def is_failure(case: dict[str, Any]) -> bool:
+    """Whether a case record counts as a failure: a verdict other than ``pass`` or ``skip`` (a
+    skip is a configuration the model's library refused, neither a pass nor a failure)."""
+    return case.get("verdict") not in ("pass", "skip")
+
+
 def skip_reason(case: dict[str, Any]) -> str:
     """Why a case record with the verdict ``skip`` skipped: its first skipped check's reason."""
     reasons = [
@@ -285,7 +291,7 @@ def write_junit(folder: Path, summary: dict[str, Any]) -> Path:
     """``junit.xml`` of a CLI run: one testcase per case, its problems as the failure text
     (pytest sessions get pytest's own JUnit XML instead)."""
     cases = summary["cases"]
-    failures = sum(c["verdict"] not in ("pass", "skip") for c in cases)
+    failures = sum(map(is_failure, cases))
     skips = sum(c["verdict"] == "skip" for c in cases)
     suite = ElementTree.Element(
         "testsuite",
