@@ -21,9 +21,14 @@ Where we deliberately differ from Megatron-Core (each difference removes a known
       silent remap or a silent "no offload".
 
 Stream discipline on CUDA (none of it blocks the host):
-    commit   d2h.wait_stream(compute); copies on d2h; src.record_stream(d2h); d2h event
-    reload   h2d.wait_stream(compute); h2d.wait_event(d2h event); copies on h2d; reload event
+    commit   d2h waits for the compute stream; copies on d2h; src.record_stream(d2h); d2h event
+    reload   h2d waits for the compute stream; h2d.wait_event(d2h event); copies on h2d; reload
+             event
     use      compute.wait_event(reload event) before the first unpack / at commit-backward
+A side stream "waits for the compute stream" through the group's own ``ready_event``, recorded
+on the compute stream just before (the ordering of ``wait_stream``, without a new event per
+call), and the copies are issued after a plain ``set_stream`` switch, restored after: the hot
+path makes as few Python-level calls per group as it can.
 On CPU the same bookkeeping runs with synchronous copies into separate host buffers.
 
 Variants of the reference (``harness.offload.broken``: the reference with one bug each) subclass
@@ -37,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar
@@ -127,6 +132,7 @@ class GroupState:
         self.decision = "offloaded"
         self.warmup_bytes = 0
         self.last_of_name = False
+        self.ready_event = torch.cuda.Event() if cuda else None  # compute stream, for a side one
         self.d2h_event = torch.cuda.Event() if cuda else None
         self.reload_event = torch.cuda.Event() if cuda else None
         self._reset()
@@ -511,19 +517,20 @@ class OffloadContext:
         return None
 
     def _offload(self, group: GroupState) -> None:
-        if self.cuda:
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with (
-            self._on_stream(self._d2h, self.delays.d2h),
-            group_range("d2h", group),
-        ):
-            for slot, tensor in list(group.entries.items()):
-                if isinstance(tensor, torch.Tensor) and self._eligible(tensor):
-                    group.entries[slot] = self._copy_out(group, tensor)
-                    group.on_device.discard(slot)
-                    self._hold(tensor, -1)
-            if self.cuda:
-                group.d2h_event.record(self._d2h)
+        compute = self._switch_to(self._d2h, group)
+        try:
+            if self.cuda and self.delays.d2h:
+                torch.cuda._sleep(self.delays.d2h)
+            with group_range("d2h", group):
+                for slot, tensor in list(group.entries.items()):
+                    if isinstance(tensor, torch.Tensor) and self._eligible(tensor):
+                        group.entries[slot] = self._copy_out(group, tensor)
+                        group.on_device.discard(slot)
+                        self._hold(tensor, -1)
+                if self.cuda:
+                    group.d2h_event.record(self._d2h)
+        finally:
+            self._switch_back(compute)
         group.status = OFFLOADED
         if self.cuda and self.delays.compute:
             torch.cuda._sleep(self.delays.compute)
@@ -641,23 +648,25 @@ class OffloadContext:
     def _reload(self, group: GroupState, *, inline: bool = False) -> None:
         """Bring ``group`` back: prefetched at the end of a group's backward, or ``inline``
         when backward unpacks a tensor of a group nobody prefetched."""
-        if self.cuda:
-            # Reloaded tensors are allocated on the H2D stream: order this allocation after all
-            # compute so far (which may still read memory the allocator is about to hand out).
-            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
-        self._await_d2h(group, inline=inline)
+        # Reloaded tensors are allocated on the H2D stream: the switch orders this allocation
+        # after all compute so far (which may still read memory the allocator is about to hand
+        # out). The H2D copies wait for the D2H that filled their buffers.
+        compute = self._switch_to(self._h2d, group)
         returned: dict[int, torch.Tensor] = {}
-        with (
-            self._on_stream(self._h2d, self.delays.h2d),
-            group_range("h2d", group),
-        ):
-            for slot, entry in list(group.entries.items()):
-                if isinstance(entry, HostCopy):
-                    group.entries[slot] = self._copy_in(group, entry)
-                    if entry.pooled:
-                        returned[id(entry.buffer)] = entry.buffer
-            if self.cuda:
-                group.reload_event.record(self._h2d)
+        try:
+            self._await_d2h(group, inline=inline)
+            if self.cuda and self.delays.h2d:
+                torch.cuda._sleep(self.delays.h2d)
+            with group_range("h2d", group):
+                for slot, entry in list(group.entries.items()):
+                    if isinstance(entry, HostCopy):
+                        group.entries[slot] = self._copy_in(group, entry)
+                        if entry.pooled:
+                            returned[id(entry.buffer)] = entry.buffer
+                if self.cuda:
+                    group.reload_event.record(self._h2d)
+        finally:
+            self._switch_back(compute)
         for buffer in returned.values():
             self._return_buffer(group, buffer)
         group.status = RELOADING
@@ -691,15 +700,30 @@ class OffloadContext:
         group.counts["h2d_bytes"] += buffer.numel() * buffer.element_size()
 
     # ------------------------------------------------------------------------------ helpers
-    @contextlib.contextmanager
-    def _on_stream(self, stream: torch.cuda.Stream | None, delay: int) -> Iterator[None]:
+    def _switch_to(
+        self, stream: torch.cuda.Stream | None, group: GroupState
+    ) -> tuple[torch.cuda.Stream, int] | None:
+        """Make ``stream`` (a side stream) current, ordered after all work enqueued on the
+        compute stream so far; returns what ``_switch_back`` restores (None on CPU): the compute
+        stream and the current device (``set_stream`` also makes the stream's device current).
+        The ordering goes through the group's ``ready_event``, recorded and waited for at once,
+        so the event is free again when the call returns."""
         if stream is None:
-            yield
+            return None
+        compute = torch.cuda.current_stream(self.device)
+        group.ready_event.record(compute)
+        stream.wait_event(group.ready_event)
+        device = torch.cuda.current_device()
+        torch.cuda.set_stream(stream)
+        return compute, device
+
+    def _switch_back(self, previous: tuple[torch.cuda.Stream, int] | None) -> None:
+        if previous is None:
             return
-        with torch.cuda.stream(stream):
-            if delay:
-                torch.cuda._sleep(delay)
-            yield
+        compute, device = previous
+        torch.cuda.set_stream(compute)
+        if device != self.device.index:
+            torch.cuda.set_device(device)
 
     def _post_warmup(self) -> dict[str, int]:
         forward = list(self._chunks.values())
@@ -753,8 +777,9 @@ def _transfer_source(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return flat, (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """(device index, -1 on CPU; storage address): no device object made on the hot path."""
+    return (tensor.get_device(), tensor.untyped_storage().data_ptr())
 
 
 def _normalize(device: torch.device) -> torch.device:
