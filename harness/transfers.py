@@ -261,15 +261,17 @@ def load_trace(source: profile | str | os.PathLike[str] | Mapping[str, Any]) -> 
 
 @contextlib.contextmanager
 def transfer_profiler(device: torch.device | str) -> Iterator[profile]:
-    """A profiler with what ``count_transfers`` needs for ``device``: CPU activity (+ CUDA on a
-    CUDA device) and ``record_shapes=True``. On CUDA it synchronizes the device before the
-    profiler stops, so every enqueued copy is in the trace. Kineto's start/stop chatter on
-    file descriptor 2 is silenced; Python-level warnings and errors are not."""
+    """A profiler with what ``count_transfers`` needs for ``device``: CPU activity, plus CUDA
+    activity on a CUDA device, or ``record_shapes=True`` on any other (CPU mode reads a copy's
+    bytes from its recorded shapes; device mode reads them from the memcpy event, and recording
+    every op's shapes would only slow the profiled steps). On CUDA it synchronizes the device
+    before the profiler stops, so every enqueued copy is in the trace. Kineto's start/stop
+    chatter on file descriptor 2 is silenced; Python-level warnings and errors are not."""
     device = torch.device(device)
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    prof = profile(activities=activities, record_shapes=True)
+    prof = profile(activities=activities, record_shapes=device.type != "cuda")
     with _quiet_native_stderr():
         prof.__enter__()
     try:
