@@ -558,8 +558,10 @@ _PLAIN: dict[str, SharedPlain] = {}
 
 
 def forget_plain_baselines() -> None:
-    """Drop this process's shared plain baseline (a test that changes how runs train)."""
+    """Drop this process's shared plain baseline and baseline memory reading (a test that
+    changes how runs train)."""
     _PLAIN.clear()
+    _MEMORY_BASELINE.clear()
 
 
 def plain_key(case: Case, env: Environment) -> str:
@@ -706,20 +708,28 @@ class MemoryResult:
         return self.baseline_allocated - self.offload_allocated
 
 
-def run_memory(case: Case, env: Environment) -> MemoryResult:
+def run_memory(
+    case: Case, env: Environment, observations: list[GroupObservation] | None = None
+) -> MemoryResult:
     """Baseline vs offload memory after the last forward and at the final step's peak.
 
     The drop is compared in requested bytes (the sum of the sizes the live allocations asked
     for), which the caching allocator's rounding does not touch, so it must equal the
     prediction exactly; ``memory_allocated`` counts rounded blocks, so its drop may differ by
     the rounding the snapshot shows on the live blocks of the two runs.
+
+    ``observations`` are the hooks baseline's records of the case's first training iteration
+    (``CaseRun.observations``; recorded here when not given). The baseline reading (no offload)
+    depends only on the case's ``plain_key``: rows sharing it, which run one after another, read
+    it once (``memory_baseline``).
     """
     if env.device.type != "cuda":
         raise ValueError("the memory case needs a CUDA device")
     spec, run, config = env.spec(case), case.run_spec(), case.offload_config()
     order = schedule_order(run.schedule, run.microbatches)
     last_forward = max(i for i, (kind, _) in enumerate(order) if kind == "F")
-    observations = record_observations(case, env)
+    if observations is None:
+        observations = record_observations(case, env)
     warmup, steady = predict(observations, config, order, env.semantics)
     if run.steps == 1:  # the final step is the warmup
         steady = warmup
@@ -736,7 +746,7 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
     )
     last_mb = order[last_forward][1]
     with _allocation_sites(env.device):
-        base = _memory_run(spec, run, NoOffload(), env.device, last_mb, case.sharding)
+        base = memory_baseline(case, env)
         with _closing(env.offloader(config)) as offloader:
             off = _memory_run(spec, run, offloader, env.device, last_mb, case.sharding)
     return MemoryResult(
@@ -761,6 +771,27 @@ def run_memory(case: Case, env: Environment) -> MemoryResult:
         baseline_sites=base.sites,
         offload_sites=off.sites,
     )
+
+
+_MEMORY_BASELINE: dict[str, _MemoryReading] = {}
+"""This process's latest baseline memory reading, by ``plain_key`` (one entry, like ``_PLAIN``)."""
+
+
+def memory_baseline(case: Case, env: Environment) -> _MemoryReading:
+    """The no-offload memory reading of ``case``: the one this process read last if its
+    ``plain_key`` is the same (the reading depends on nothing else: the run has no
+    offloader, and the microbatch read after is the schedule's), else read now."""
+    key = plain_key(case, env)
+    found = _MEMORY_BASELINE.get(key)
+    if found is not None:
+        return found
+    _MEMORY_BASELINE.clear()
+    run = case.run_spec()
+    order = schedule_order(run.schedule, run.microbatches)
+    last_mb = order[max(i for i, (kind, _) in enumerate(order) if kind == "F")][1]
+    reading = _memory_run(env.spec(case), run, NoOffload(), env.device, last_mb, case.sharding)
+    _MEMORY_BASELINE[key] = reading
+    return reading
 
 
 @dataclass(frozen=True)

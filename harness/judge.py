@@ -138,7 +138,9 @@ class CaseRuns:
         """The memory reading runs (``harness.execute.run_memory``), CUDA only."""
         from harness.execute import run_memory
 
-        return self._once("memory", lambda: run_memory(self.case, self.env))
+        made = self._made.get("case")  # its hooks run recorded what the prediction needs
+        observations = made.observations if isinstance(made, CaseRun) else None
+        return self._once("memory", lambda: run_memory(self.case, self.env, observations))
 
     def guarded(self) -> Any:
         """The guarded training of the host-sync check: a ``GuardedRun``, or the
