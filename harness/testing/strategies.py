@@ -25,6 +25,10 @@ from collections.abc import Callable
 import torch
 from hypothesis import strategies as st
 
+from harness.plugin.properties import setup_profiles
+
+setup_profiles()  # the entry point does it where offload-harness is installed; idempotent
+
 MAX_SIDE = 4
 """Largest size of one dim of a drawn base tensor."""
 MAX_DIMS = 3
