@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import statistics
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,7 +23,7 @@ from harness.tools.bench.measure import VariantResult, combine_rounds
 from harness.tools.bench.models import bench_model, selection
 from harness.tools.bench.output import render, render_breakdown, render_compute
 from harness.tools.bench.peers import VARIANTS
-from harness.tools.bench.targets import targets
+from harness.tools.bench.targets import host_time_targets, targets
 from harness.tools.bench.trace import baseline_compute, host_vs_baseline, trace_line, trace_timeline
 
 
@@ -439,6 +440,53 @@ def test_hideable_needs_the_compute_to_hide_each_direction(
     assert found.verdict == verdict and says in found.measured, found
     line = next(x for x in render_compute(entry) if x.startswith("device compute of a traced"))
     assert f"forwards {forward_ms:.2f}" in line and "D2H 16.00, H2D 16.00" in line
+
+
+HOST_BOUND = "reference step <= 1.15x baseline (host-bound)"
+HOST_BOUND_MCORE = "reference step <= 0.75x mcore (host-bound)"
+
+
+def _host_bound(base_ms: list[float], ref_ms: list[float], mcore_ms: list[float]) -> dict:
+    """A host-bound entry (the compute hides neither direction; copies shorter than the step)
+    with one value per round for each variant."""
+    entry = _entry(45.0, 54.0)
+    v = entry["variants"]
+    for name, rounds in (("baseline", base_ms), ("reference", ref_ms), ("mcore", mcore_ms)):
+        v[name] = VariantResult(step_s=statistics.median(rounds) / 1e3)
+        v[name].round_step_s = [ms / 1e3 for ms in rounds]
+    entry["baseline_compute"] = {"step_s": 0.02, "forward_s": 0.005, "backward_s": 0.008}
+    return entry
+
+
+def test_host_bound_targets_need_five_rounds() -> None:
+    """On a host-bound model the reference's step is judged against 1.15x the baseline's and
+    0.75x megatron-core's, by the median of the per-round ratios, only with >= 5 rounds."""
+    base, ref, mcore = [50.0] * 5, [56.0, 57.0, 55.0, 60.0, 56.5], [70.0, 80.0, 75.0, 90.0, 75.0]
+    found = {t.target: t for t in targets("m", _host_bound(base, ref, mcore))}
+    assert found[HIDEABLE].verdict == "n/a"
+    assert (found[HOST_BOUND].verdict, found[HOST_BOUND].measured) == (
+        "PASS",
+        "1.130x (1.100-1.200 over 5 rounds)",
+    )  # 56.5/50, the median of the per-round ratios
+    assert found[HOST_BOUND_MCORE].verdict == "PASS", found[HOST_BOUND_MCORE]  # median 0.733
+    assert "reference step <= 1.05x mcore" not in found
+    slow = {t.target: t for t in targets("m", _host_bound(base, [60.0] * 5, [70.0] * 5))}
+    assert slow[HOST_BOUND].verdict == slow[HOST_BOUND_MCORE].verdict == "SHORT"
+    few = {t.target: t for t in targets("m", _host_bound(base[:3], ref[:3], mcore[:3]))}
+    assert few[HOST_BOUND].verdict == few[HOST_BOUND_MCORE].verdict == "n/a"
+    assert few[HOST_BOUND].measured.endswith("over 3 rounds)")
+
+
+def test_host_time_target_is_set_on_hybrid_small() -> None:
+    entry = _entry(45.0, 54.0)
+    assert host_time_targets("moe-small", entry) == []
+    (unclocked,) = host_time_targets("hybrid-small", entry)
+    assert (unclocked.verdict, unclocked.measured) == ("n/a", "not clocked")
+    entry["variants"]["reference"].host_time = {"total_s": 0.0036, "steps": (2, 3, 4)}
+    (short,) = host_time_targets("hybrid-small", entry)
+    assert (short.verdict, short.measured) == ("SHORT", "3.60 ms (median of 3 steady steps)")
+    entry["variants"]["reference"].host_time = {"total_s": 0.0031, "steps": (2, 3, 4)}
+    assert host_time_targets("hybrid-small", entry)[0].verdict == "PASS"
 
 
 def test_copy_bound_and_unmeasured_compute_keep_their_rules() -> None:

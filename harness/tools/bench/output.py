@@ -63,7 +63,7 @@ def render(entry: dict[str, Any], found_targets: list[Target]) -> str:
             )
     lines += render_compute(entry)
     for t in found_targets:
-        lines.append(f"[{t.verdict:<5}] {t.target}: {t.measured}")
+        lines.append(target_line(t))
     return "\n".join(lines)
 
 
@@ -158,3 +158,8 @@ def _json(value: Any) -> Any:
                     del fields[optional]
         return fields
     return str(value)
+
+
+def target_line(target: Target) -> str:
+    """``[PASS ] what: measured`` (SHORT, n/a)."""
+    return f"[{target.verdict:<5}] {target.target}: {target.measured}"
