@@ -15,6 +15,10 @@ pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parents[1]
 
+WORKERS_ONLY = ("-p", "no:harness.plugin", "-p", "harness.plugin.workers")
+"""The xdist defaults alone: without the rest of the installed plugin (which imports torch,
+about 3.4 s of each of the session's three processes on the 2-core CPU)."""
+
 DYING = """
 import os, signal, time
 import pytest
@@ -44,7 +48,7 @@ def _pytest(folder: Path, *args: str, timeout: float) -> subprocess.CompletedPro
 def test_a_killed_worker_ends_the_session_with_a_failure(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_dying=DYING)
     began = time.monotonic()
-    done = _pytest(pytester.path, "-p", "harness.plugin.workers", "-n", "2", timeout=120)
+    done = _pytest(pytester.path, *WORKERS_ONLY, "-n", "2", timeout=120)
     seconds = time.monotonic() - began
     out = done.stdout
     assert done.returncode == pytest.ExitCode.TESTS_FAILED, out + done.stderr
@@ -64,7 +68,7 @@ def test_same_worker(n):
     print("WORKER", os.environ["PYTEST_XDIST_WORKER"])
 """
     )
-    done = _pytest(pytester.path, "-p", "harness.plugin.workers", "-n", "2", "-rP", timeout=120)
+    done = _pytest(pytester.path, *WORKERS_ONLY, "-n", "2", "-rP", timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     workers = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("WORKER")}
     assert len(workers) == 1, done.stdout  # one group, one worker
