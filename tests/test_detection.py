@@ -1,30 +1,66 @@
-"""Detection power, end to end through pytest (``pytester``): the correct offloader passes the
-default matrix, and every broken offloader of the catalogue (``harness.offload.broken``) makes
-at least one default case fail with a message naming the step, the microbatch and the group.
+"""Detection power: the correct offloader passes every catcher case of the catalogue, and every
+broken offloader of the catalogue (``harness.offload.broken``) fails one of its own catcher
+cases with a message naming the step, the microbatch and the group.
 
-To keep the cost down, a broken offloader runs only the case tests its catalogue entry names as
-catchers, with ``-x``; the correct one runs every catcher of every entry once (the control: each
-test a broken offloader must fail passes with the reference; the outer session's own ``cases/``
-run covers the rest of the matrix). The inner sessions run in subprocesses (an in-process
-session would re-import torch modules that register operator libraries) on this session's
-device, with this process's share of the cores: an inner session with all the cores' threads
-spins against the other xdist workers and runs many times slower. Classes CPU cannot show
-(pinned memory, host syncs) run on CUDA only; classes the default matrix cannot show (see each
-entry's ``needs``) are skipped with that reason.
+In process, through the judge. The catalogue's cases run in this process through
+``harness.judge.judge``: the one judge that decides every check for pytest's case files
+(``cases/``, through the plugin's ``case_check``), for ``offload-harness run`` and for mutation
+scoring, so a case the judge fails here is a case test that fails under pytest and a case that
+``run`` reports failed (``tests/test_judge.py::test_pytest_and_run_decide_every_check_alike``
+checks that pytest's case files and ``offload-harness run`` give every check the same status).
+A broken offloader runs its entry's catcher cases in the catalogue's order and stops at the
+first one with a failing check, as ``-x`` over its catcher tests would. The failing check must
+be one the entry names for that case: when an earlier check of the judge fails first (a real
+failure too), the case is judged again on the named checks alone, which must fail as well. The
+failure's problems must name a step, a microbatch and a group. The control judges every catcher
+case of every entry with the reference: no check may fail, and each check an entry names for a
+case must pass there. On CUDA a broken offloader runs with its entry's race delays, as
+``scripts/mutation_score`` runs it; classes CPU cannot show (pinned memory, host syncs) run on
+CUDA only, and on CPU the memory and sync catchers are dropped (both are ``n-a`` there).
+
+End to end, once. ``test_pytest_fails_a_broken_offloader`` (``slow``) runs one inner pytest
+session in a subprocess (``pytester``; an in-process session would re-import torch modules that
+register operator libraries) with ``broken.corrupt_reload`` on its first catcher test and
+``-x``: it proves that the pytest path itself - the plugin's options, the case parametrization
+and ``case_check`` - turns a broken offloader into a failing case test whose failure names the
+step, the microbatch and the group. The inner session runs on this session's device with this
+process's share of the cores: one with all the cores' threads spins against the other xdist
+workers and runs many times slower.
+
+Shared and left behind. The in-process tests share this process's plain baseline
+(``harness.execute.plain_baseline``, one key at a time): the plain run has no offloader, so it
+is the same for every backend, and ``offload-harness run`` and ``scripts/mutation_score``
+share it between backends alike. So this module overrides ``tests/conftest.py``'s per-test
+``forget_plain_baselines`` (nothing here patches how a run trains, and every other test of
+``tests/`` forgets the baseline before and after itself), orders the entries and the control's
+cases so that those sharing a plain key run back to back, and puts the entries that share one
+in one xdist group. A broken offloader keeps no module-level state (``harness.offload.broken``
+has none; the judge closes every offloader it builds); each in-process test checks that its
+runs left no saved-tensor hooks, dispatch or function modes, grad mode, deterministic-algorithm
+flags or default dtype behind. Entries the default matrix cannot show (see each entry's
+``needs``) are skipped with that reason.
 """
 
 from __future__ import annotations
 
+import gc
+import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
 
-from harness.judge import CASE_TESTS
-from harness.offload.broken import CATALOGUE, NO_DELAYS, BrokenBackend
+from harness.cases import Case
+from harness.execute import Environment, sharing_key
+from harness.judge import CASE_TESTS, CHECKS, CheckOutcome, judge
+from harness.offload.backends import with_delays
+from harness.offload.broken import CATALOGUE, NO_DELAYS, BrokenBackend, entry
 from harness.offload.reference import RaceDelays
-from harness.plugin.options import Settings
+from harness.parallel import threads_per_worker
+from harness.plugin.options import SETTINGS, Settings
 from harness.spec import ALL_GROUP_NAMES
 
 pytest_plugins = ["pytester"]
@@ -33,6 +69,138 @@ REPO = Path(__file__).resolve().parents[1]
 
 NAMES_A_GROUP = re.compile(r"\b(" + "|".join(ALL_GROUP_NAMES) + r")\b")
 
+NAMED = (
+    ("step", re.compile(r"\bstep \d+")),
+    ("microbatch", re.compile(r"\bmicrobatch \d+")),
+    ("group", NAMES_A_GROUP),
+)
+"""What every failure must name, and how to spot it."""
+
+CUDA_ONLY_CHECKS = ("memory", "sync")
+"""Checks that are ``n-a`` off CUDA: catchers naming them are dropped on CPU."""
+
+END_TO_END = entry("broken.corrupt_reload")
+"""The broken offloader the one subprocess test runs (CPU and CUDA; a cheap seed-case catch)."""
+
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------------------ catalogue
+
+
+def _catchers(broken: BrokenBackend, device: torch.device) -> list[tuple[str, Case]]:
+    """The (check, case) pairs that must catch ``broken`` on ``device``, in catalogue order."""
+    return [
+        (check, case)
+        for check, case in broken.catchers
+        if device.type == "cuda" or check not in CUDA_ONLY_CHECKS
+    ]
+
+
+def _catcher_cases(
+    broken: BrokenBackend, device: torch.device
+) -> list[tuple[Case, tuple[str, ...]]]:
+    """Each catcher case once, in catalogue order, with the checks named for it (in the
+    judge's order)."""
+    named: dict[str, tuple[Case, set[str]]] = {}
+    for check, case in _catchers(broken, device):
+        named.setdefault(case.name, (case, set()))[1].add(check)
+    return [(case, tuple(c for c in CHECKS if c in checks)) for case, checks in named.values()]
+
+
+def _backend(broken: BrokenBackend, device: torch.device) -> str:
+    """The backend spelling ``broken`` runs as: on CUDA with its entry's race delays
+    (``harness.tools.mutation_score``'s default)."""
+    if device.type != "cuda" or broken.cuda_delays == NO_DELAYS:
+        return broken.name
+    return with_delays(broken.name, broken.cuda_delays)
+
+
+def _environment(settings: Settings, backend: str = "reference") -> Environment:
+    return Environment(device=settings.device, backend=backend, model_size=settings.model_size)
+
+
+def _by_plain_key(items: list[T], key: Callable[[T], str]) -> list[T]:
+    """``items`` with those sharing a plain key moved up behind the first of them (otherwise
+    in their order): the plain baseline is cached one key at a time."""
+    groups: dict[str, list[T]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return [item for group in groups.values() for item in group]
+
+
+def _entry_key(broken: BrokenBackend, env: Environment) -> str:
+    """The plain key of the first case ``broken`` runs (its name when it runs none)."""
+    cases = _catcher_cases(broken, env.device)
+    return sharing_key(cases[0][0], env) if cases else broken.name
+
+
+def _param(broken: BrokenBackend, env: Environment) -> object:
+    marks = [pytest.mark.xdist_group(f"detection-plain-{_entry_key(broken, env)}")]
+    if not broken.cpu:
+        marks.append(pytest.mark.gpu)
+    if not broken.catchers:
+        marks.append(pytest.mark.skip(reason=f"the default matrix cannot show it: {broken.needs}"))
+    elif not _catchers(broken, env.device):
+        reason = f"every catcher of it is a {'/'.join(CUDA_ONLY_CHECKS)} check: needs CUDA"
+        marks.append(pytest.mark.skip(reason=reason))
+    return pytest.param(broken, id=broken.name, marks=marks)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``entry``: every catalogue entry, ordered and xdist-grouped by the plain key of its
+    first catcher case on this session's device and model size."""
+    if "entry" not in metafunc.fixturenames:
+        return
+    env = _environment(metafunc.config.stash[SETTINGS])
+    entries = _by_plain_key(list(CATALOGUE), lambda broken: _entry_key(broken, env))
+    metafunc.parametrize("entry", [_param(broken, env) for broken in entries])
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(autouse=True)
+def _own_plain_baseline() -> None:
+    """Overrides ``tests/conftest.py``'s: the tests here share this process's plain baseline
+    (see the module docstring); every other test forgets it before and after itself."""
+
+
+def _global_state() -> dict[str, object]:
+    """Process-global torch state a run could leave behind."""
+    return {
+        "grad enabled": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "deterministic warn only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "default dtype": torch.get_default_dtype(),
+        "saved-tensor hooks": torch._C._autograd._top_saved_tensors_default_hooks(False),
+        "dispatch modes": torch._C._len_torch_dispatch_stack(),
+        "function modes": torch._C._len_torch_function_stack(),
+    }
+
+
+@pytest.fixture
+def in_process(request: pytest.FixtureRequest, settings: Settings) -> Iterator[None]:
+    """This process's intra-op threads for the judge's runs (an xdist worker keeps the share
+    the plugin gave it; a session of its own uses every core unless ``OMP_NUM_THREADS`` says
+    otherwise), restored afterwards; then a check that the runs left no global state behind,
+    and a CUDA device's memory released (as the plugin's ``case_check`` does)."""
+    threads = torch.get_num_threads()
+    if not hasattr(request.config, "workerinput") and not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(threads_per_worker(1))
+    before = _global_state()
+    yield
+    after = _global_state()
+    torch.set_num_threads(threads)
+    if settings.device.type == "cuda":
+        gc.collect()
+        torch.cuda.synchronize(settings.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(settings.device)
+    changed = {name: (before[name], after[name]) for name in before if before[name] != after[name]}
+    assert not changed, f"the runs left global state behind (before, after): {changed}"
+
 
 @pytest.fixture
 def threads_share(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,12 +208,82 @@ def threads_share(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
+# ------------------------------------------------------------------------------ in process
+
+
+def _names_where(text: str) -> list[str]:
+    """What ``text`` fails to name of the step, the microbatch and the group."""
+    return [what for what, pattern in NAMED if not pattern.search(text)]
+
+
+@pytest.mark.usefixtures("in_process")
+def test_correct_offloader_passes_every_catcher(settings: Settings) -> None:
+    env = _environment(settings)
+    named: dict[str, tuple[Case, set[str]]] = {}
+    for broken in CATALOGUE:
+        for check, case in _catchers(broken, settings.device):
+            named.setdefault(case.name, (case, set()))[1].add(check)
+    rows = _by_plain_key(list(named.values()), lambda row: sharing_key(row[0], env))
+    problems: list[str] = []
+    for case, checks in rows:
+        judgement = judge(case, env)
+        outcomes = {outcome.name: outcome for outcome in judgement.outcomes}
+        problems += [f"{case.name}: {problem}" for problem in judgement.problems]
+        problems += [
+            f"{case.name}: {name} is {outcomes[name].status} ({outcomes[name].reason}); a "
+            "broken offloader's catcher must pass with the reference"
+            for name in sorted(checks)
+            if outcomes[name].status not in ("pass", "fail")
+        ]
+    assert not problems, "\n".join(problems)
+
+
+def _caught(broken: BrokenBackend, env: Environment) -> tuple[Case, CheckOutcome] | list[str]:
+    """(case, failing named check) of the first catcher case that catches ``broken``, else
+    what each catcher case did instead."""
+    missed: list[str] = []
+    for case, checks in _catcher_cases(broken, env.device):
+        failed = judge(case, env, stop_at_first_failure=True).first_failure()
+        if failed is None:
+            missed.append(f"{case.name}: no check failed (named: {', '.join(checks)})")
+            continue
+        if failed.name in checks:
+            return case, failed
+        # A real failure, in a check the entry does not name here: the named ones must fail too.
+        named = judge(case, env, checks=checks, stop_at_first_failure=True).first_failure()
+        if named is not None:
+            return case, named
+        missed.append(
+            f"{case.name}: {failed.name} failed ({failed.problems[0]}), but none of the checks "
+            f"its catalogue entry names ({', '.join(checks)}): update the entry's catchers"
+        )
+    return missed
+
+
+@pytest.mark.usefixtures("in_process")
+def test_broken_offloader_is_caught(entry: BrokenBackend, settings: Settings) -> None:
+    caught = _caught(entry, _environment(settings, _backend(entry, settings.device)))
+    if isinstance(caught, list):
+        pytest.fail(f"{entry.name} was not caught:\n" + "\n".join(caught), pytrace=False)
+    case, failed = caught
+    text = "\n".join(failed.problems)
+    missing = _names_where(text)
+    assert not missing, (
+        f"{entry.name}: the {failed.name} failure on {case.name} names no {', '.join(missing)}:\n"
+        f"{text}"
+    )
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
 def _inner(pytester: pytest.Pytester, settings: Settings, *args: str) -> pytest.RunResult:
-    """An inner pytest session over this repository's cases, on this session's device."""
+    """An inner pytest session over this repository's cases, on this session's device and
+    model size."""
     return pytester.runpytest_subprocess(
         *("--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), "-o", "addopts="),
         *("-p", "no:cacheprovider", "--tb=short", "--report-dir", ""),
-        *("--device", settings.device.type),
+        *("--device", settings.device.type, "--model-size", settings.model_size),
         *args,
     )
 
@@ -56,50 +294,20 @@ def _delays(delays: RaceDelays) -> tuple[str, ...]:
     return ("--race-delays", f"d2h={delays.d2h},h2d={delays.h2d},compute={delays.compute}")
 
 
-def _param(entry: BrokenBackend) -> object:
-    marks = []
-    if not entry.cpu:
-        marks.append(pytest.mark.gpu)
-    if not entry.catchers:
-        marks.append(pytest.mark.skip(reason=f"the default matrix cannot show it: {entry.needs}"))
-    return pytest.param(entry, id=entry.name, marks=marks)
-
-
-def _catcher_nodes(entry: BrokenBackend, device: torch.device) -> list[str]:
-    """The pytest node ids of the case tests that must catch ``entry`` on ``device``."""
-    return [
-        f"{REPO}/{CASE_TESTS[check]}[{case.name}]"
-        for check, case in entry.catchers
-        if device.type == "cuda" or check not in ("memory", "sync")
-    ]
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("threads_share")
-def test_correct_offloader_passes_every_catcher(
-    pytester: pytest.Pytester, settings: Settings
-) -> None:
-    nodes = sorted({n for entry in CATALOGUE for n in _catcher_nodes(entry, settings.device)})
-    result = _inner(pytester, settings, "--backend", "reference", *nodes)
-    outcomes = result.parseoutcomes()
-    assert result.ret == pytest.ExitCode.OK, "\n".join(result.outlines[-40:])
-    assert outcomes.get("passed", 0) == len(nodes) and not outcomes.get("failed"), outcomes
-
-
-@pytest.mark.parametrize("entry", [_param(entry) for entry in CATALOGUE])
-@pytest.mark.usefixtures("threads_share")
-def test_broken_offloader_is_caught(
-    entry: BrokenBackend, pytester: pytest.Pytester, settings: Settings
-) -> None:
-    nodes = _catcher_nodes(entry, settings.device)
-    delays = _delays(entry.cuda_delays) if settings.device.type == "cuda" else ()
-    result = _inner(pytester, settings, "-x", "--backend", entry.name, *delays, *nodes)
+def test_pytest_fails_a_broken_offloader(pytester: pytest.Pytester, settings: Settings) -> None:
+    check, case = END_TO_END.catchers[0]
+    node = f"{CASE_TESTS[check]}[{case.name}]"
+    delays = _delays(END_TO_END.cuda_delays) if settings.device.type == "cuda" else ()
+    result = _inner(
+        pytester, settings, "-x", "--backend", END_TO_END.name, *delays, f"{REPO}/{node}"
+    )
     text = "\n".join(result.outlines)
-    assert result.ret == pytest.ExitCode.TESTS_FAILED, f"{entry.name} was not caught:\n{text}"
-    failure = text[text.index("FAILURES") :] if "FAILURES" in text else text
-    for what, pattern in [
-        ("step", re.compile(r"\bstep \d+")),
-        ("microbatch", re.compile(r"\bmicrobatch \d+")),
-        ("group", NAMES_A_GROUP),
-    ]:
-        assert pattern.search(failure), f"{entry.name}: the failure names no {what}:\n{failure}"
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, f"{END_TO_END.name} was not caught:\n{text}"
+    failed = [line for line in result.outlines if line.startswith("FAILED ")]
+    assert result.parseoutcomes().get("failed") == 1 and len(failed) == 1, text
+    assert failed[0].split()[1].endswith(node), f"not the failure of {node}:\n{text}"
+    failure = text[text.index("FAILURES") :]
+    missing = _names_where(failure)
+    assert not missing, f"{END_TO_END.name}: the failure names no {', '.join(missing)}:\n{failure}"
