@@ -198,6 +198,12 @@ class _Event(NamedTuple):
     start: int
     end: int
     args: Mapping[str, Any]
+    correlation: Any = None
+    """The CUDA correlation id, read off an in-memory activity (a trace's is in ``args``)."""
+
+    def correlation_id(self) -> Any:
+        """What links a memcpy to the runtime/driver call that enqueued it (None: nothing)."""
+        return self.correlation if self.correlation is not None else self.args.get("correlation")
 
 
 class _Span(NamedTuple):
@@ -235,7 +241,7 @@ def count_transfers(
         raise ValueError(f"source must be 'auto', 'memory' or 'trace', got {source!r}")
     activities = _activities(profiled, source)
     if activities is not None:
-        events, has_device = _memory_events(activities)
+        events, has_device = _memory_events(activities, mode)
     else:
         events = list(_events(load_trace(profiled)))
         has_device = any(_is_device_event(e) for e in events)
@@ -422,26 +428,32 @@ def _sanitize_tid(tid: int) -> int:
     return 0 if tid == -(2**63) else abs(tid)
 
 
-def _memory_events(activities: Iterable[Any]) -> tuple[list[_Event], bool]:
+def _memory_events(activities: Iterable[Any], mode: Mode = "auto") -> tuple[list[_Event], bool]:
     """The events the counters read, built from Kineto activities the way the chrome trace
     writer turns them into complete events (``pid`` = ``device_id()``, ``tid`` = sanitized
     ``resource_id()``, ``cat`` = ``type()``, ``ts``/``dur`` = ``timestamp()``/``duration()`` in
     ns, ``args`` = ``metadata_json()``), and whether any of them is device activity.
 
     Only the events a counter can use are kept: annotations named like our ranges, ``aten::copy_``
-    CPU ops, CUDA runtime/driver calls and memcpys; the rest are only checked for device
-    activity."""
+    CPU ops (not in ``mode="device"``, which never reads them), CUDA runtime/driver calls and
+    memcpys; the rest are only checked for device activity. A profiled training step holds
+    thousands of activities, so the loop asks each for no more than it needs: its type first,
+    its name only where the type can keep it, and the CUDA correlation id straight from the
+    activity (its metadata is parsed only where a counter reads it: a memcpy's bytes)."""
     events: list[_Event] = []
     has_device = False
+    skip_ops = mode == "device"
     for activity in activities:
-        cat, name = activity.type().lower(), activity.name()
-        if cat in _NOT_COMPLETE_CATS:
+        cat = activity.type().lower()
+        if cat in _NOT_COMPLETE_CATS or (skip_ops and cat in _CPU_OP_CATS):
             continue
+        name = activity.name()
         memcpy = name.startswith("Memcpy ")  # the device counter's test, whatever the cat
-        has_device = has_device or memcpy or cat in _DEVICE_CATS
+        launch = cat in _LAUNCH_CATS
+        has_device = has_device or memcpy or launch or cat in _DEVICE_CATS
         if not (
             memcpy
-            or cat in _LAUNCH_CATS
+            or launch
             or (cat == "user_annotation" and name.startswith(PREFIX))
             or (cat in _CPU_OP_CATS and name == _COPY_OP)
         ):
@@ -455,6 +467,7 @@ def _memory_events(activities: Iterable[Any]) -> tuple[list[_Event], bool]:
                 start=start,
                 end=start + max(activity.duration(), 0),
                 args=_Metadata(activity),
+                correlation=(activity.correlation_id() or None) if memcpy or launch else None,
             )
         )
     return events, has_device
@@ -527,7 +540,7 @@ def _memcpy_bytes(event: _Event) -> int:
     nbytes = event.args.get("bytes")
     if nbytes is None:
         raise TraceFormatError(
-            f"device memcpy {event.name!r} (correlation {event.args.get('correlation')}) has no "
+            f"device memcpy {event.name!r} (correlation {event.correlation_id()}) has no "
             "'bytes' in its args; this profiler/Kineto version does not record memcpy sizes"
         )
     return int(nbytes)
@@ -551,12 +564,10 @@ def _count_device(
     """Device mode: memcpy -> (correlation id) -> launching API call -> enclosing range."""
     launches: dict[Any, _Event] = {}
     for event in events:
-        if event.cat in _LAUNCH_CATS and "correlation" in event.args:
-            launches.setdefault(event.args["correlation"], event)
+        if event.cat in _LAUNCH_CATS and (correlation := event.correlation_id()) is not None:
+            launches.setdefault(correlation, event)
     memcpys = [(e, d) for e in events if (d := _memcpy_direction(e.name)) is not None]
-    keys = _attribute_launches(
-        ranges, [launches.get(e.args.get("correlation")) for e, _ in memcpys]
-    )
+    keys = _attribute_launches(ranges, [launches.get(e.correlation_id()) for e, _ in memcpys])
     by_range: dict[RangeKey, Counts] = defaultdict(Counts)
     unattributed = {d: Counts() for d in DIRECTIONS}
     pageable = 0
