@@ -240,6 +240,7 @@ def command_run(args: argparse.Namespace) -> int:
     jobs = settings.checked(
         lambda: settings.resolve_jobs(args.settings.jobs, env.device, len(cases)), UsageError
     )
+    plots = settings.checked(settings.resolve_plots, UsageError)
     folder = _claim_folder(args.settings.report_dir)
     fields: dict[str, Any] = dict(
         backend=args.backend,
@@ -265,7 +266,7 @@ def command_run(args: argparse.Namespace) -> int:
             seconds_so_far = round(time.perf_counter() - start, 2)
             write_summary(folder, finished(), status="running", seconds=seconds_so_far, **fields)
 
-    if folder is not None:
+    if folder is not None and plots:
         preload_plotting()
     try:
         status = run_cases(

@@ -11,6 +11,7 @@ from typing import Any
 
 from harness.plots import render_plots
 from harness.report import is_failure
+from harness.settings import PLOTS_VARIABLE, resolve_plots
 
 _STYLE = """
 body { font-family: sans-serif; font-size: 13px; margin: 1.5em; }
@@ -103,11 +104,14 @@ def render_index(folder: Path) -> Path:
     """Write ``plots/*.png`` and ``index.html`` into a report folder from its summary.json."""
     summary = json.loads((folder / "summary.json").read_text())
     cases: list[dict[str, Any]] = summary.get("cases", [])
-    try:
-        plots = render_plots(cases, folder / "plots")
-        note = ""
-    except ImportError as exc:  # matplotlib is the optional part of a report
-        plots, note = [], f"<p>No plots: {_e(exc)} (pip install matplotlib).</p>"
+    plots: list[Path] = []
+    if not resolve_plots():
+        note = f"<p>No plots: {PLOTS_VARIABLE}=0.</p>"
+    else:
+        try:
+            plots, note = render_plots(cases, folder / "plots"), ""
+        except ImportError as exc:  # matplotlib is the optional part of a report
+            note = f"<p>No plots: {_e(exc)} (pip install matplotlib).</p>"
     links = [("summary.json", "summary.json")]
     links += [(n, n) for n in ("junit.xml",) if (folder / n).exists()]
     links += [("repro bundle", "repro/")] if (folder / "repro").is_dir() else []

@@ -213,11 +213,18 @@ def resolve_model_size(text: str, device: torch.device) -> str:
     return _choice("model-size", text, ("auto", *MODEL_SIZES))
 
 
+CUDA_JOBS_CAP = 8
+"""The most workers ``--jobs`` defaults to on CUDA (each holds a CUDA context on the one GPU)."""
+
+
 def resolve_jobs(text: str | int | None, device: torch.device, tasks: int) -> int:
-    """Worker processes: the value given (an int >= 1), else one per core on CPU and 1 on
-    CUDA; never more than ``tasks`` (and at least 1)."""
+    """Worker processes: the value given (an int >= 1), else one per core on CPU and, on CUDA,
+    one per two cores up to ``CUDA_JOBS_CAP`` (the cases are host-bound there: a small model's
+    step is mostly Python launching kernels, so workers sharing the GPU scale with the cores;
+    two threads each); never more than ``tasks`` (and at least 1)."""
     if text is None or text == "":
-        value = 1 if device.type == "cuda" else os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+        value = max(1, min(CUDA_JOBS_CAP, cores // 2)) if device.type == "cuda" else cores
     else:
         value = _positive_int("jobs", text)
     return max(1, min(value, tasks))
@@ -277,6 +284,20 @@ def resolve_case_timeout(text: str | None, device: torch.device) -> float:
     if not seconds >= 0 or seconds == float("inf"):
         raise SettingError(f"--case-timeout must be seconds >= 0; got {text!r}")
     return seconds
+
+
+PLOTS_VARIABLE = "OFFLOAD_HARNESS_PLOTS"
+"""Environment variable: ``0`` writes a report's ``index.html`` without its plots."""
+
+
+def resolve_plots() -> bool:
+    """Whether a report draws its plots: ``OFFLOAD_HARNESS_PLOTS`` unset or ``1`` yes, ``0``
+    no (a CI gate that reads only ``summary.json`` and ``junit.xml`` saves matplotlib's import
+    and the drawing, 2-3 s on the 2-core CPU); anything else is a ``SettingError``."""
+    value = os.environ.get(PLOTS_VARIABLE, "1")
+    if value not in ("0", "1"):
+        raise SettingError(f"{PLOTS_VARIABLE} must be 0 or 1; the environment has {value!r}")
+    return value == "1"
 
 
 def resolve_report_dir(text: str | Path | None) -> Path | None:

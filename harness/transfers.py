@@ -243,26 +243,29 @@ def count_transfers(
     if activities is not None:
         events, has_device = _memory_events(activities, mode)
     else:
-        events = list(_events(load_trace(profiled)))
-        has_device = any(_is_device_event(e) for e in events)
+        events, has_device = _trace_events(load_trace(profiled, exact=False), mode)
     if mode == "auto":
         mode = "device" if has_device else "cpu"
     ranges = _our_ranges(events)
     return _count_device(events, ranges) if mode == "device" else _count_cpu(events, ranges)
 
 
-def load_trace(source: profile | str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
-    """The chrome trace of ``source`` as a dict; floats are parsed as ``Decimal`` (exact)."""
+def load_trace(
+    source: profile | str | os.PathLike[str] | Mapping[str, Any], *, exact: bool = True
+) -> dict[str, Any]:
+    """The chrome trace of ``source`` as a dict; floats are parsed as ``Decimal`` (exact), or
+    with ``exact=False`` kept as their text (``_ns`` converts the ones a counter reads,
+    exactly: a profiled training step's trace holds thousands of events it never reads)."""
     if isinstance(source, Mapping):
         return dict(source)
     if isinstance(source, str | os.PathLike):
-        return _read_json(Path(source))
+        return _read_json(Path(source), exact)
     if not hasattr(source, "export_chrome_trace"):
         raise TypeError(f"expected a torch.profiler.profile, a path or a dict, got {source!r}")
     with tempfile.TemporaryDirectory(prefix="offload_harness_trace_") as tmp:
         path = Path(tmp) / "trace.json"
         source.export_chrome_trace(str(path))
-        return _read_json(path)
+        return _read_json(path, exact)
 
 
 @contextlib.contextmanager
@@ -329,10 +332,10 @@ def element_size(type_name: str) -> int:
 
 
 # ------------------------------------------------------------------------------ trace parsing
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, exact: bool = True) -> dict[str, Any]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as handle:
-        trace = json.load(handle, parse_float=Decimal)
+        trace = json.load(handle, parse_float=Decimal if exact else str)
     if isinstance(trace, list):  # a bare event list is valid chrome trace JSON too
         trace = {"traceEvents": trace}
     return trace
@@ -356,6 +359,40 @@ def _events(trace: Mapping[str, Any]) -> Iterator[_Event]:
         )
 
 
+def _trace_events(trace: Mapping[str, Any], mode: Mode) -> tuple[list[_Event], bool]:
+    """What ``_memory_events`` keeps, from a chrome trace: the complete events a counter can
+    use (every ``aten::copy_`` but in ``mode="device"``), and whether any event is device
+    activity."""
+    if "traceEvents" not in trace:
+        raise TraceFormatError("not a chrome trace: no 'traceEvents' key")
+    events: list[_Event] = []
+    has_device = False
+    skip_ops = mode == "device"
+    for raw in trace["traceEvents"]:
+        if raw.get("ph") != "X" or "ts" not in raw:
+            continue
+        cat = str(raw.get("cat", "")).lower()
+        if skip_ops and cat in _CPU_OP_CATS:
+            continue
+        name = str(raw.get("name", ""))
+        keep, device = _wanted(cat, name)
+        has_device = has_device or device
+        if not keep:
+            continue
+        start = _ns(raw["ts"])
+        events.append(
+            _Event(
+                name=name,
+                cat=cat,
+                thread=(raw.get("pid"), raw.get("tid")),
+                start=start,
+                end=start + _ns(raw.get("dur", 0)),
+                args=raw.get("args") or {},
+            )
+        )
+    return events, has_device
+
+
 def _ns(microseconds: int | float | Decimal | str) -> int:
     """Microseconds (as written in the trace) to integer nanoseconds, exactly."""
     if isinstance(microseconds, Decimal):
@@ -365,8 +402,19 @@ def _ns(microseconds: int | float | Decimal | str) -> int:
     return int((value * 1000).to_integral_value())
 
 
-def _is_device_event(event: _Event) -> bool:
-    return event.cat in _DEVICE_CATS or event.name.startswith("Memcpy ")
+def _wanted(cat: str, name: str) -> tuple[bool, bool]:
+    """(whether a counter can use an event of ``cat`` named ``name``, whether it is device
+    activity): our ranges' annotations, ``aten::copy_`` CPU ops, CUDA runtime/driver calls and
+    memcpys (a memcpy by its name, whatever the cat: the device counter's test)."""
+    memcpy = name.startswith("Memcpy ")
+    launch = cat in _LAUNCH_CATS
+    keep = (
+        memcpy
+        or launch
+        or (cat == "user_annotation" and name.startswith(PREFIX))
+        or (cat in _CPU_OP_CATS and name == _COPY_OP)
+    )
+    return keep, memcpy or cat in _DEVICE_CATS
 
 
 # ---------------------------------------------------------------------------- in-memory events
@@ -448,15 +496,9 @@ def _memory_events(activities: Iterable[Any], mode: Mode = "auto") -> tuple[list
         if cat in _NOT_COMPLETE_CATS or (skip_ops and cat in _CPU_OP_CATS):
             continue
         name = activity.name()
-        memcpy = name.startswith("Memcpy ")  # the device counter's test, whatever the cat
-        launch = cat in _LAUNCH_CATS
-        has_device = has_device or memcpy or launch or cat in _DEVICE_CATS
-        if not (
-            memcpy
-            or launch
-            or (cat == "user_annotation" and name.startswith(PREFIX))
-            or (cat in _CPU_OP_CATS and name == _COPY_OP)
-        ):
+        keep, device = _wanted(cat, name)
+        has_device = has_device or device
+        if not keep:
             continue
         start = activity.timestamp()
         events.append(
@@ -467,7 +509,7 @@ def _memory_events(activities: Iterable[Any], mode: Mode = "auto") -> tuple[list
                 start=start,
                 end=start + max(activity.duration(), 0),
                 args=_Metadata(activity),
-                correlation=(activity.correlation_id() or None) if memcpy or launch else None,
+                correlation=(activity.correlation_id() or None) if device else None,
             )
         )
     return events, has_device

@@ -191,6 +191,7 @@ def _only_summary(report_dir: Path) -> dict[str, Any]:
     return json.loads(summaries[0].read_text())
 
 
+@pytest.mark.usefixtures("plots_on")
 def test_run_passes_and_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main([*RUN, "--report-dir", str(tmp_path)])
     out = capsys.readouterr().out
@@ -341,7 +342,6 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("jobs", "device", "cases", "expected"),
     [
-        (None, "cuda", 21, 1),  # one GPU: one job unless asked
         (4, "cuda", 21, 4),  # asked: workers share the GPU
         (8, "cuda", 3, 3),  # never more workers than cases
         (1, "cuda", 21, 1),
@@ -362,6 +362,18 @@ def test_jobs_default_on_cpu_is_one_per_core(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     assert resolve_jobs(None, torch.device("cpu"), 21) == 16
     assert resolve_jobs(None, torch.device("cpu"), 5) == 5
+
+
+@pytest.mark.parametrize(("cores", "cases", "expected"), [(16, 21, 8), (64, 21, 8), (6, 21, 3)])
+def test_jobs_default_on_cuda_is_one_per_two_cores_up_to_8(
+    cores: int, cases: int, expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from harness.settings import resolve_jobs
+
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    assert resolve_jobs(None, torch.device("cuda", 0), cases) == expected
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert resolve_jobs(None, torch.device("cuda", 0), cases) == 1
 
 
 @pytest.mark.parametrize("jobs", [None, "4"])

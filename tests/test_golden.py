@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -291,6 +292,22 @@ _LOWER_ATEN = {"AVX512": "AVX2", "AVX2": "DEFAULT"}
 _LOWER_ONEDNN = {"AVX512": "AVX2", "AVX2": "SSE41"}
 
 
+def _native(name: str) -> dict[str, Any]:
+    """This machine's fingerprint and the case's plain losses (as ``summary.json`` lists them),
+    trained here on one intra-op thread: what ``_run_cli`` reports with ``OMP_NUM_THREADS=1``
+    and nothing forced, without an interpreter and a worker process of its own."""
+    from harness.execute import Environment, plain_baseline
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        env = Environment(device=torch.device("cpu"))
+        losses = plain_baseline(find_case(name), env).result.losses
+    finally:
+        torch.set_num_threads(threads)
+    return {"fingerprint": fingerprint.of(env.device).id, "plain": losses.tolist()}
+
+
 def _run_cli(tmp_path: Path, name: str, env: dict[str, str]) -> dict:
     reports = tmp_path / name
     done = subprocess.run(
@@ -328,16 +345,16 @@ def test_forced_lower_isa_has_no_golden_and_passes(tmp_path: Path) -> None:
     root = tmp_path / "golden"
     shutil.copytree(REPO / "cases" / "golden", root)
     env = {**os.environ, golden.ROOT_VARIABLE: str(root), "OMP_NUM_THREADS": "1"}
-    here = _run_cli(tmp_path, "native", env)
+    here = _native(BF16_CASE)  # in this process, on one thread like the forced run
     forced_env = {
         **env,
         "ATEN_CPU_CAPABILITY": _LOWER_ATEN[native].lower(),
         "ONEDNN_MAX_CPU_ISA": _LOWER_ONEDNN[native],
     }
     forced = _run_cli(tmp_path, "forced", forced_env)
-    assert forced["golden"]["fingerprint"] != here["golden"]["fingerprint"]
+    assert forced["golden"]["fingerprint"] != here["fingerprint"]
     shutil.rmtree(root / forced["golden"]["fingerprint"], ignore_errors=True)
-    assert forced["losses"]["plain"] != here["losses"]["plain"], (
+    assert forced["losses"]["plain"] != here["plain"], (
         "forcing the lower ISA did not change the bf16 trace: the test shows nothing"
     )
     assert forced["verdict"] == "pass", forced["problems"]

@@ -19,6 +19,8 @@ from harness.report import write_junit, write_summary
 
 pytest_plugins = ["pytester"]
 
+pytestmark = pytest.mark.usefixtures("plots_on")  # the suite's reports skip them elsewhere
+
 PLUGINS = ("-p", "harness.plugin")
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -185,3 +187,32 @@ def test_plotting_preloads_off_the_main_thread_with_the_file_backend() -> None:
     assert not thread.is_alive()
     assert "matplotlib.pyplot" in sys.modules and "matplotlib.ticker" in sys.modules
     assert sys.modules["matplotlib"].get_backend().lower() == "agg"
+
+
+def test_plots_off_leave_the_index_without_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``OFFLOAD_HARNESS_PLOTS=0``: the index says why it has no plots and none is drawn."""
+    monkeypatch.setenv("OFFLOAD_HARNESS_PLOTS", "0")
+    folder = _summary_folder(tmp_path, [_case("a", 0.0, "pass")])
+    text = render_index(folder).read_text()
+    assert "No plots: OFFLOAD_HARNESS_PLOTS=0." in text and "<img" not in text
+    assert not (folder / "plots").exists()
+
+
+def test_a_bad_plots_value_is_one_line_before_any_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OFFLOAD_HARNESS_PLOTS", "no")
+    pytester.makepyfile(test_inner="def test_ok():\n    pass\n")
+    result = pytester.runpytest(*PLUGINS, "--device", "cpu", "--report-dir", "r")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "OFFLOAD_HARNESS_PLOTS must be 0 or 1; the environment has 'no'" in result.stderr.str()
+    from harness.cli import main
+
+    capsys.readouterr()
+    argv = ["run", "--device", "cpu", "--case", default_matrix()[0].name, "--report-dir", "r"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("OFFLOAD_HARNESS_PLOTS must be 0 or 1; the environment has 'no'"), err
+    assert "\n" not in err

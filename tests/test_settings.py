@@ -94,7 +94,7 @@ def test_model_size_and_jobs_rules() -> None:
     assert settings.resolve_model_size("auto", cpu) == "tiny"
     assert settings.resolve_model_size("auto", cuda) == "small"
     assert settings.resolve_model_size("small", cpu) == "small"
-    assert settings.resolve_jobs(None, cuda, tasks=10) == 1
+    assert settings.resolve_jobs(None, cuda, tasks=1) == 1
     assert settings.resolve_jobs(None, cpu, tasks=1) == 1
     assert settings.resolve_jobs("3", cpu, tasks=2) == 2
     for bad in ("0", "-1", "x", "1.5"):
