@@ -150,18 +150,20 @@ def test_cuda_counts_a_pinned_allocation_per_step() -> None:
 
 
 def test_garbage_collections_in_a_step_are_timed() -> None:
-    """A full collection forced inside every commit shows as gen2 runs and gc time."""
+    """A full collection forced at the start of every microbatch's first group shows as gen2
+    runs and gc time (one per microbatch: a full collection in a test process holding torch
+    costs tens of milliseconds)."""
+    first = SPEC.group_sequence(CONFIG.selected)[0]
 
     class _Collects(Wrapper):
         def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
-            if name in CONFIG.selected:
+            if (layer, name) == first:
                 gc.collect()
             return self.inner.group(name, x, layer=layer)
 
     plain = run_clocked(SPEC, RUN, _reference(), CPU, clocked={1, 2})
     found = run_clocked(SPEC, RUN, _Collects(_reference()), CPU, clocked={1, 2})
-    selected = len(SPEC.group_sequence(CONFIG.selected)) * RUN.microbatches
-    assert found.gc_runs[2] >= selected > plain.gc_runs.get(2, 0)
+    assert found.gc_runs[2] >= RUN.microbatches > plain.gc_runs.get(2, 0)
     assert found.gc_s > plain.gc_s
     assert f"gen2 {found.gc_runs[2]:g}" in found.summary()
     assert gc.callbacks.count(None) == 0 and not any(

@@ -1,6 +1,8 @@
 """The one judge (``harness.judge``): outcomes and verdicts, and the proof that pytest's case
-files and ``offload-harness run`` decide every check of a case identically (both run in
-subprocesses on one case, with a broken offloader and with the correct one)."""
+files and ``offload-harness run`` decide every check of a case identically (on one case, with a
+broken offloader and with the correct one: pytest in a subprocess, ``run`` in this process
+through its ``main``, as ``tests/test_cli.py`` runs it; its cases run in worker processes
+either way)."""
 
 from __future__ import annotations
 
@@ -63,12 +65,14 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("backend", ["broken.noop", "reference"])
-def test_pytest_and_run_decide_every_check_alike(backend: str, tmp_path: Path) -> None:
+def test_pytest_and_run_decide_every_check_alike(
+    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from harness.cli import main
+
     common = ["--backend", backend, "--device", "cpu"]
-    cli = _run(
-        ["-m", "harness", "run", "--case", CASE, *common, "--report-dir", str(tmp_path / "cli")],
-        REPO,
-    )
+    code = main(["run", "--case", CASE, *common, "--report-dir", str(tmp_path / "cli")])
+    out = capsys.readouterr()
     nodes = [f"{node}[{CASE}]" for node in CASE_TESTS.values()]
     tests = _run(
         [
@@ -87,7 +91,7 @@ def test_pytest_and_run_decide_every_check_alike(backend: str, tmp_path: Path) -
         REPO,
     )
     failing = backend != "reference"
-    assert cli.returncode == (1 if failing else 0), cli.stdout + cli.stderr
+    assert code == (1 if failing else 0), out.out + out.err
     assert tests.returncode == (1 if failing else 0), tests.stdout + tests.stderr
     from_cli, from_pytest = _summary_checks(tmp_path / "cli"), _summary_checks(tmp_path / "pytest")
     assert set(from_cli) == set(CHECKS)

@@ -87,7 +87,8 @@ def test_repository_config_runs_without_xdist(pytester: pytest.Pytester) -> None
 def test_a_case_row_under_n_reaches_its_report_entry(tmp_path: Path) -> None:
     """Under ``-n`` each case test's node id ends in ``@<xdist group>``; the report must still
     file the test under its case (it did not: every case of a ``-n`` session had no tests and
-    the verdict ``skipped``, seen in the H200 summary.json of the megatron-core family)."""
+    the verdict ``skipped``, seen in the H200 summary.json of the megatron-core family). The
+    suffix is there with any worker count (asserted below through ``-rA``'s node ids)."""
     import json
 
     root = Path(__file__).resolve().parents[1]
@@ -98,11 +99,12 @@ def test_a_case_row_under_n_reaches_its_report_entry(tmp_path: Path) -> None:
             "-m",
             "pytest",
             "-q",
+            "-rA",
             "-p",
             "no:cacheprovider",
             "cases/test_equivalence.py::test_no_leaks",
             "-n",
-            "2",
+            "1",  # one worker is enough for the suffix, and one interpreter fewer than -n 2
             "-k",
             f"{seed} and not zero3 and not evalfirst and not 6x3",
             "--report-dir",
@@ -114,6 +116,8 @@ def test_a_case_row_under_n_reaches_its_report_entry(tmp_path: Path) -> None:
         timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    (passed,) = [line for line in out.stdout.splitlines() if line.startswith("PASSED ")]
+    assert f"[{seed}]@" in passed, out.stdout  # the node id the report must map back
     (summary,) = tmp_path.glob("*/summary.json")
     (case,) = json.loads(summary.read_text())["cases"]
     assert (case["name"], case["verdict"]) == (seed, "pass")
