@@ -261,3 +261,36 @@ def test_a_zero3_reading_after_runs_freed_earlier_blocks_is_not_attributable(
     assert judge._memory(Runs(zero3, wrong)).status == "fail"  # type: ignore[arg-type]
     unsharded = dataclasses.replace(dirty, case=SEED_CASE)
     assert judge._memory(Runs(SEED_CASE, unsharded)).status == "fail"  # type: ignore[arg-type]
+
+
+def test_rows_sharing_a_plain_key_read_the_baseline_memory_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The no-offload reading depends only on the plain key: the second row of a key reuses
+    the first's, a row of another key reads anew (and replaces it: one entry)."""
+    from harness.cases import default_matrix
+    from harness.execute import Environment, plain_key
+    from harness.train import schedule_order
+
+    env = Environment(device=torch.device("cpu"))
+    keys: dict[str, list[Case]] = {}
+    for row in default_matrix():
+        keys.setdefault(plain_key(row, env), []).append(row)
+    first, second = next(rows for rows in keys.values() if len(rows) > 1)[:2]
+    other = next(rows[0] for key, rows in keys.items() if key != plain_key(first, env))
+    read: list[tuple[str, int]] = []
+
+    def fake_run(spec, run, offloader, device, last_mb, sharding):  # type: ignore[no-untyped-def]
+        read.append((type(offloader).__name__, last_mb))
+        return object()
+
+    monkeypatch.setattr(execute, "_memory_run", fake_run)
+    execute.forget_plain_baselines()
+    reading = execute.memory_baseline(first, env)
+    assert execute.memory_baseline(second, env) is reading
+    order = schedule_order(first.run_spec().schedule, first.run_spec().microbatches)
+    last_mb = [mb for kind, mb in order if kind == "F"][-1]
+    assert read == [("NoOffload", last_mb)]  # one read, after the last forward
+    assert execute.memory_baseline(other, env) is not reading
+    assert execute.memory_baseline(first, env) is not reading  # read anew: one entry kept
+    assert len(read) == 3
