@@ -621,17 +621,41 @@ def test_tools_are_subcommands(tool: str, capsys: pytest.CaptureFixture[str]) ->
     assert capsys.readouterr().out.startswith(f"usage: offload-harness {tool} ")
 
 
-@pytest.mark.parametrize("script", ["bench", "mutation_score", "nightly", "host_profile"])
-def test_script_wrappers_call_the_tools(script: str) -> None:
+WRAPPERS = ("bench", "mutation_score", "nightly", "host_profile")
+
+_RUN_WRAPPERS = """
+import runpy, sys
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    print("=== " + path, flush=True)
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as done:
+        print("=== exit " + str(done.code), flush=True)
+"""
+
+
+def test_script_wrappers_call_the_tools() -> None:
+    """Each ``scripts/`` wrapper run as a program (``__main__``) with ``--help`` prints its
+    tool's usage and exits 0; all four in one interpreter (one torch import, not four)."""
+    paths = [str(REPO / "scripts" / name) for name in WRAPPERS]
     done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / script), "--help"],
+        [sys.executable, "-c", _RUN_WRAPPERS, *paths],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"usage: offload-harness {script.replace('_', '-')} ")
+    outputs = done.stdout.split("=== ")[1:]
+    assert len(outputs) == 2 * len(WRAPPERS), done.stdout
+    for name, path, (head, tail) in zip(
+        WRAPPERS, paths, zip(outputs[::2], outputs[1::2], strict=True), strict=True
+    ):
+        first, _, usage = head.partition("\n")
+        assert first == path, head
+        assert usage.startswith(f"usage: offload-harness {name.replace('_', '-')} "), usage
+        assert tail.strip() == "exit 0", (name, tail)
 
 
 def test_empty_report_dir_writes_no_report(
