@@ -69,6 +69,9 @@ _COPY_OPS = {
     _aten.copy_.default: "copy_",
     _aten._to_copy.default: "_to_copy",
     _aten._copy_from.default: "_copy_from",
+    # One op for a list of tensors (an offloader batching a group's copies): a copy per pair.
+    _aten._foreach_copy_.default: "_foreach_copy_",
+    _aten._foreach_copy.default: "_foreach_copy",
 }
 
 
@@ -576,10 +579,12 @@ class CopyObserver(TorchDispatchMode):
         op = _COPY_OPS.get(func)
         if op is not None:
             try:
-                src, dst = _endpoints(func, args, out)
+                pairs = _endpoints(func, args, out)
             except (IndexError, TypeError):
                 return out
-            if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
+            for src, dst in pairs:
+                if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
+                    continue
                 if self.host_device:
                     key = current_range()
                     if key is not None:
@@ -637,13 +642,18 @@ class CopyObserver(TorchDispatchMode):
         )
 
 
-def _endpoints(func: Any, args: tuple[Any, ...], out: Any) -> tuple[Any, Any]:
-    """(source, destination) of a copy op."""
+def _endpoints(func: Any, args: tuple[Any, ...], out: Any) -> list[tuple[Any, Any]]:
+    """The (source, destination) pairs of a copy op: one, or one per tensor of a foreach
+    copy's lists."""
     if func is _aten.copy_.default:
-        return args[1], args[0]
+        return [(args[1], args[0])]
     if func is _aten._copy_from.default:
-        return args[0], args[1]
-    return args[0], out  # _to_copy
+        return [(args[0], args[1])]
+    if func is _aten._foreach_copy_.default:
+        return list(zip(args[1], args[0], strict=True))
+    if func is _aten._foreach_copy.default:
+        return list(zip(args[1], out, strict=True))
+    return [(args[0], out)]  # _to_copy
 
 
 @contextlib.contextmanager

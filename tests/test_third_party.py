@@ -411,6 +411,44 @@ def test_a_d2h_issued_in_the_next_groups_window_counts_for_the_group_that_saved_
     assert res.attribution.outside == (0, 0)
 
 
+def foreach_factory(config, device):  # type: ignore[no-untyped-def]
+    """The example offloader making every copy with ``torch._foreach_copy_`` (one op for a
+    list of tensors, as an offloader batching a group's copies would)."""
+    from my_offloader import MyOffloader
+
+    class Foreach(MyOffloader):
+        def pack(self, t):
+            if self.stays(t):
+                return t
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            torch._foreach_copy_([host], [t], non_blocking=t.is_cuda)
+            return t.device, host
+
+        def unpack(self, packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, host = packed
+            back = torch.empty(host.shape, dtype=host.dtype, device=device)
+            torch._foreach_copy_([back], [host], non_blocking=True)
+            return back
+
+    return Foreach(config, device)
+
+
+@pytest.mark.usefixtures("examples_importable")
+def test_copies_made_with_foreach_copy_are_observed_like_copy_() -> None:
+    """A copy made through ``aten::_foreach_copy_`` is counted per tensor pair, for the group
+    that saved it, exactly as the example's ``copy_`` calls are (it was invisible before)."""
+    from harness.execute import run_case
+
+    res = run_case(ROW, Environment(device=CPU, backend=f"{__name__}:foreach_factory"))
+    example = run_case(ROW, Environment(device=CPU, backend="my_offloader:MyOffloader"))
+    assert res.measured == example.measured and sum(
+        c["d2h_copies"] for c in res.measured.values()
+    ), res.measured
+    assert res.attribution is not None and res.attribution.outside == (0, 0)
+
+
 def test_te_backend_says_why_it_cannot_run_on_cpu() -> None:
     from harness.offload.backends import backend_unavailable, describe
 
