@@ -698,6 +698,10 @@ class MemoryResult:
     memory runs), to name the owner of a block the prediction does not explain."""
     offload_sites: dict[int, str] = dataclasses.field(default_factory=dict)
     """The same for the offload run."""
+    baseline_key: str = ""
+    """The ``plain_key`` the baseline reading was read for (rows with one key share it)."""
+    baseline_made_by: str = ""
+    """The case whose memory check read it."""
 
     @property
     def requested_drop(self) -> int:
@@ -746,7 +750,8 @@ def run_memory(
     )
     last_mb = order[last_forward][1]
     with _allocation_sites(env.device):
-        base = memory_baseline(case, env)
+        shared = memory_baseline(case, env)
+        base = shared.reading
         with _closing(env.offloader(config)) as offloader:
             off = _memory_run(spec, run, offloader, env.device, last_mb, case.sharding)
     return MemoryResult(
@@ -770,14 +775,25 @@ def run_memory(
         replaced_sizes=base.replaced + off.replaced,
         baseline_sites=base.sites,
         offload_sites=off.sites,
+        baseline_key=shared.key,
+        baseline_made_by=shared.made_by,
     )
 
 
-_MEMORY_BASELINE: dict[str, _MemoryReading] = {}
+@dataclass(frozen=True)
+class SharedMemoryBaseline:
+    """A no-offload memory reading and what identifies it, like ``SharedPlain``."""
+
+    key: str
+    made_by: str
+    reading: _MemoryReading
+
+
+_MEMORY_BASELINE: dict[str, SharedMemoryBaseline] = {}
 """This process's latest baseline memory reading, by ``plain_key`` (one entry, like ``_PLAIN``)."""
 
 
-def memory_baseline(case: Case, env: Environment) -> _MemoryReading:
+def memory_baseline(case: Case, env: Environment) -> SharedMemoryBaseline:
     """The no-offload memory reading of ``case``: the one this process read last if its
     ``plain_key`` is the same (the reading depends on nothing else: the run has no
     offloader, and the microbatch read after is the schedule's), else read now."""
@@ -790,8 +806,8 @@ def memory_baseline(case: Case, env: Environment) -> _MemoryReading:
     order = schedule_order(run.schedule, run.microbatches)
     last_mb = order[max(i for i, (kind, _) in enumerate(order) if kind == "F")][1]
     reading = _memory_run(env.spec(case), run, NoOffload(), env.device, last_mb, case.sharding)
-    _MEMORY_BASELINE[key] = reading
-    return reading
+    shared = _MEMORY_BASELINE[key] = SharedMemoryBaseline(key, case.name, reading)
+    return shared
 
 
 @dataclass(frozen=True)

@@ -428,5 +428,6 @@ def memory_record(res: Any) -> dict[str, Any]:
             "peak_allowance": res.peak_allowance,
             "floor_freed_blocks": res.floor_freed[0],
             "floor_freed_bytes": res.floor_freed[1],
+            "baseline": {"key": res.baseline_key, "made_by": res.baseline_made_by},
         }
     }

@@ -287,6 +287,7 @@ def test_rows_sharing_a_plain_key_read_the_baseline_memory_once(
     monkeypatch.setattr(execute, "_memory_run", fake_run)
     execute.forget_plain_baselines()
     reading = execute.memory_baseline(first, env)
+    assert (reading.key, reading.made_by) == (plain_key(first, env), first.name)
     assert execute.memory_baseline(second, env) is reading
     order = schedule_order(first.run_spec().schedule, first.run_spec().microbatches)
     last_mb = [mb for kind, mb in order if kind == "F"][-1]
@@ -294,3 +295,64 @@ def test_rows_sharing_a_plain_key_read_the_baseline_memory_once(
     assert execute.memory_baseline(other, env) is not reading
     assert execute.memory_baseline(first, env) is not reading  # read anew: one entry kept
     assert len(read) == 3
+
+
+def test_run_memory_reads_the_offload_run_against_the_shared_baseline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``run_memory``'s glue, without a GPU (the readings faked): the case run's observations
+    are used as given, the baseline is read once for two rows of one key, each row's offload
+    run is read, and the result names the key and the row that read the baseline."""
+    import contextlib
+
+    from harness.cases import default_matrix
+    from harness.execute import Environment, plain_key, record_observations
+    from harness.offload.passthrough import NoOffload
+
+    cpu = Environment(device=torch.device("cpu"))
+    keys: dict[str, list[Case]] = {}
+    for row in default_matrix():
+        keys.setdefault(plain_key(row, cpu), []).append(row)
+    first, second = next(rows for rows in keys.values() if len(rows) > 1)[:2]
+    observations = {row.name: record_observations(row, cpu) for row in (first, second)}
+    runs: list[str] = []
+
+    def fake_run(spec, run, offloader, device, last_mb, sharding):  # type: ignore[no-untyped-def]
+        base = isinstance(offloader, NoOffload)
+        runs.append("baseline" if base else "offload")
+        requested = 1000 if base else 400
+        return execute._MemoryReading(
+            allocated=requested + 24,
+            requested=requested,
+            rounding=24,
+            peak=2 * requested,
+            blocks=Counter({requested: 1}),
+            floor_freed=(0, 0),
+            replaced=Counter(),
+            sites={},
+        )
+
+    cuda = Environment(device=torch.device("cuda", 0))
+    monkeypatch.setattr(execute, "_memory_run", fake_run)
+    monkeypatch.setattr(execute, "_allocation_sites", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(execute, "record_observations", lambda *a: pytest.fail("recorded again"))
+    monkeypatch.setattr(Environment, "offloader", lambda self, config: _Off())
+    monkeypatch.setattr(Environment, "spec", lambda self, case: case.model_spec("tiny"))
+    monkeypatch.setattr(execute, "plain_key", lambda case, env: plain_key(case, cpu))
+    execute.forget_plain_baselines()
+    results = [execute.run_memory(row, cuda, observations[row.name]) for row in (first, second)]
+    assert runs == ["baseline", "offload", "offload"]
+    for res in results:
+        assert (res.baseline_key, res.baseline_made_by) == (plain_key(first, cpu), first.name)
+        assert (res.requested_drop, res.allocated_drop, res.rounding) == (600, 600, 48)
+    from harness.report import memory_record
+
+    baseline = memory_record(results[1])["memory"]["baseline"]
+    assert baseline == {"key": plain_key(first, cpu), "made_by": first.name}
+
+
+class _Off:
+    """A stand-in offloader for ``run_memory``'s offload run (never trained: faked)."""
+
+    def close(self) -> None:
+        pass
