@@ -52,7 +52,7 @@ from harness.predict import (
     redundant_reload_bytes,
 )
 from harness.spec import ModelSpec, RunSpec
-from harness.train import RunHooks, TrainResult, schedule_order, train
+from harness.train import RunHooks, TrainResult, last_forward_index, schedule_order, train
 from harness.transfers import Counts, TransferCounts, count_transfers, transfer_profiler
 
 COUNTER_FIELDS = ("d2h_copies", "d2h_bytes", "h2d_copies", "h2d_bytes")
@@ -731,7 +731,7 @@ def run_memory(
         raise ValueError("the memory case needs a CUDA device")
     spec, run, config = env.spec(case), case.run_spec(), case.offload_config()
     order = schedule_order(run.schedule, run.microbatches)
-    last_forward = max(i for i, (kind, _) in enumerate(order) if kind == "F")
+    last_forward = last_forward_index(order)
     if observations is None:
         observations = record_observations(case, env)
     warmup, steady = predict(observations, config, order, env.semantics)
@@ -804,7 +804,7 @@ def memory_baseline(case: Case, env: Environment) -> SharedMemoryBaseline:
     _MEMORY_BASELINE.clear()
     run = case.run_spec()
     order = schedule_order(run.schedule, run.microbatches)
-    last_mb = order[max(i for i, (kind, _) in enumerate(order) if kind == "F")][1]
+    last_mb = order[last_forward_index(order)][1]
     reading = _memory_run(env.spec(case), run, NoOffload(), env.device, last_mb, case.sharding)
     shared = _MEMORY_BASELINE[key] = SharedMemoryBaseline(key, case.name, reading)
     return shared

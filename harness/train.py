@@ -57,6 +57,11 @@ def schedule_order(schedule: str, microbatches: int) -> list[tuple[str, int]]:
     raise ValueError(f"unknown schedule {schedule!r}; known: sequential, gpipe, 1f1b")
 
 
+def last_forward_index(order: list[tuple[str, int]]) -> int:
+    """The position in ``order`` (a ``schedule_order``) of its last forward."""
+    return max(i for i, (kind, _) in enumerate(order) if kind == "F")
+
+
 def _set_deterministic(mode: bool, *, warn_only: bool = False) -> None:
     """``torch.use_deterministic_algorithms`` without its side trip into TorchInductor's config:
     that first call imports ``torch._inductor`` (2-5 s per process on the CPU machine, paid by

@@ -343,54 +343,48 @@ def _read_json(path: Path, exact: bool = True) -> dict[str, Any]:
 
 def _events(trace: Mapping[str, Any]) -> Iterator[_Event]:
     """The complete events of ``trace``."""
-    if "traceEvents" not in trace:
-        raise TraceFormatError("not a chrome trace: no 'traceEvents' key")
-    for raw in trace["traceEvents"]:
-        if raw.get("ph") != "X" or "ts" not in raw:
-            continue
-        start = _ns(raw["ts"])
-        yield _Event(
-            name=str(raw.get("name", "")),
-            cat=str(raw.get("cat", "")).lower(),
-            thread=(raw.get("pid"), raw.get("tid")),
-            start=start,
-            end=start + _ns(raw.get("dur", 0)),
-            args=raw.get("args") or {},
-        )
+    for raw in _complete(trace):
+        yield _from_raw(raw, str(raw.get("cat", "")).lower(), str(raw.get("name", "")))
 
 
 def _trace_events(trace: Mapping[str, Any], mode: Mode) -> tuple[list[_Event], bool]:
     """What ``_memory_events`` keeps, from a chrome trace: the complete events a counter can
     use (every ``aten::copy_`` but in ``mode="device"``), and whether any event is device
-    activity."""
-    if "traceEvents" not in trace:
-        raise TraceFormatError("not a chrome trace: no 'traceEvents' key")
+    activity. Only the kept events' times are converted."""
     events: list[_Event] = []
     has_device = False
     skip_ops = mode == "device"
-    for raw in trace["traceEvents"]:
-        if raw.get("ph") != "X" or "ts" not in raw:
-            continue
+    for raw in _complete(trace):
         cat = str(raw.get("cat", "")).lower()
         if skip_ops and cat in _CPU_OP_CATS:
             continue
         name = str(raw.get("name", ""))
         keep, device = _wanted(cat, name)
         has_device = has_device or device
-        if not keep:
-            continue
-        start = _ns(raw["ts"])
-        events.append(
-            _Event(
-                name=name,
-                cat=cat,
-                thread=(raw.get("pid"), raw.get("tid")),
-                start=start,
-                end=start + _ns(raw.get("dur", 0)),
-                args=raw.get("args") or {},
-            )
-        )
+        if keep:
+            events.append(_from_raw(raw, cat, name))
     return events, has_device
+
+
+def _complete(trace: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """The raw complete ("X") events of a chrome trace that have a start."""
+    if "traceEvents" not in trace:
+        raise TraceFormatError("not a chrome trace: no 'traceEvents' key")
+    for raw in trace["traceEvents"]:
+        if raw.get("ph") == "X" and "ts" in raw:
+            yield raw
+
+
+def _from_raw(raw: Mapping[str, Any], cat: str, name: str) -> _Event:
+    start = _ns(raw["ts"])
+    return _Event(
+        name=name,
+        cat=cat,
+        thread=(raw.get("pid"), raw.get("tid")),
+        start=start,
+        end=start + _ns(raw.get("dur", 0)),
+        args=raw.get("args") or {},
+    )
 
 
 def _ns(microseconds: int | float | Decimal | str) -> int:

@@ -263,19 +263,26 @@ def test_a_zero3_reading_after_runs_freed_earlier_blocks_is_not_attributable(
     assert judge._memory(Runs(SEED_CASE, unsharded)).status == "fail"  # type: ignore[arg-type]
 
 
+def _rows_by_plain_key(env: execute.Environment) -> dict[str, list[Case]]:
+    """The default matrix's rows by their plain key, in matrix order."""
+    from harness.cases import default_matrix
+
+    keys: dict[str, list[Case]] = {}
+    for row in default_matrix():
+        keys.setdefault(execute.plain_key(row, env), []).append(row)
+    return keys
+
+
 def test_rows_sharing_a_plain_key_read_the_baseline_memory_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The no-offload reading depends only on the plain key: the second row of a key reuses
     the first's, a row of another key reads anew (and replaces it: one entry)."""
-    from harness.cases import default_matrix
     from harness.execute import Environment, plain_key
     from harness.train import schedule_order
 
     env = Environment(device=torch.device("cpu"))
-    keys: dict[str, list[Case]] = {}
-    for row in default_matrix():
-        keys.setdefault(plain_key(row, env), []).append(row)
+    keys = _rows_by_plain_key(env)
     first, second = next(rows for rows in keys.values() if len(rows) > 1)[:2]
     other = next(rows[0] for key, rows in keys.items() if key != plain_key(first, env))
     read: list[tuple[str, int]] = []
@@ -305,15 +312,11 @@ def test_run_memory_reads_the_offload_run_against_the_shared_baseline(
     run is read, and the result names the key and the row that read the baseline."""
     import contextlib
 
-    from harness.cases import default_matrix
     from harness.execute import Environment, plain_key, record_observations
     from harness.offload.passthrough import NoOffload
 
     cpu = Environment(device=torch.device("cpu"))
-    keys: dict[str, list[Case]] = {}
-    for row in default_matrix():
-        keys.setdefault(plain_key(row, cpu), []).append(row)
-    first, second = next(rows for rows in keys.values() if len(rows) > 1)[:2]
+    first, second = next(rows for rows in _rows_by_plain_key(cpu).values() if len(rows) > 1)[:2]
     observations = {row.name: record_observations(row, cpu) for row in (first, second)}
     runs: list[str] = []
 

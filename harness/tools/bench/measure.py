@@ -20,7 +20,7 @@ from harness.offload.protocol import Offloader
 from harness.spec import ModelSpec, RunSpec
 from harness.tools.bench.common import GB, _line, _mib
 from harness.tools.bench.phases import _Phased, _Phases, merge_breakdowns
-from harness.train import RunHooks, schedule_order, train
+from harness.train import RunHooks, last_forward_index, schedule_order, train
 
 T = TypeVar("T")
 
@@ -123,7 +123,7 @@ def measure(
     timed = range(warmup, run.steps - 1 if cuda else run.steps)
     memory_step = run.steps - 1 if cuda else None
     order = schedule_order(run.schedule, run.microbatches)
-    last_forward_mb = [mb for kind, mb in order if kind == "F"][-1]
+    last_forward_mb = order[last_forward_index(order)][1]
     timer = _StepTimer(device)
     floor = _settled_allocated() if cuda else 0
     seen: dict[str, int] = {}
