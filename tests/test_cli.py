@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from child_pytest import pytest_command
 
 from harness.cases import MATRICES, default_matrix, full_matrix
 from harness.cli import main
@@ -304,8 +305,8 @@ def test_plugin_rejects_bad_option(pytester: pytest.Pytester, option: str, value
 
 def _collected_case_ids(*options: str) -> list[str]:
     """Test ids ``pytest --collect-only`` finds in cases/test_equivalence.py (repo root)."""
-    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
-    command += ["cases/test_equivalence.py", "--device", "cpu", *options]
+    command = pytest_command("--collect-only", "-q", "cases/test_equivalence.py")
+    command += ["--device", "cpu", *options]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     prefix = "cases/test_equivalence.py::test_loss_equivalence["

@@ -52,6 +52,7 @@ from typing import TypeVar
 
 import pytest
 import torch
+from child_pytest import CHILD_OPTIONS
 
 from harness.cases import Case
 from harness.execute import Environment, sharing_key
@@ -282,7 +283,8 @@ def _inner(pytester: pytest.Pytester, settings: Settings, *args: str) -> pytest.
     model size."""
     return pytester.runpytest_subprocess(
         *("--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), "-o", "addopts="),
-        *("-p", "no:cacheprovider", "--tb=short", "--report-dir", ""),
+        *CHILD_OPTIONS,
+        *("--tb=short", "--report-dir", ""),
         *("--device", settings.device.type, "--model-size", settings.model_size),
         *args,
     )

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from child_pytest import pytest_command, torchrun_pytest_command
 
 from harness import distributed
 from harness.cases import SEED_CASE, Case
@@ -206,9 +207,8 @@ def _clean_env() -> dict[str, str]:
 
 
 def _pytest(folder: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--device", "cpu"]
     return subprocess.run(
-        [*command, *args],
+        pytest_command("--device", "cpu", *args),
         cwd=folder,
         env=_clean_env(),
         capture_output=True,
@@ -240,7 +240,7 @@ def test_xdist_with_torchrun_world_is_refused(pytester: pytest.Pytester) -> None
     pytester.makepyfile(test_sleeper="def test_nothing():\n    pass\n")
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--device", "cpu"],
+        pytest_command("-n", "2", "--device", "cpu"),
         cwd=pytester.path,
         env={**_clean_env(), **env},
         capture_output=True,
@@ -273,8 +273,7 @@ def test_next_test_still_runs():
 def test_torchrun_two_ranks_collective_verdict(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_ranks=RANK_TESTS)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node=2", "-m", "pytest", "-p", "no:cacheprovider", "-rA"]
+    command = torchrun_pytest_command("-rA")
     command += ["--device", "cpu", "--report-dir", "reports", "--case-timeout", "120"]
     done = subprocess.run(
         command, cwd=pytester.path, env=_clean_env(), capture_output=True, text=True, timeout=300
@@ -294,8 +293,7 @@ def test_torchrun_two_ranks_collective_verdict(pytester: pytest.Pytester) -> Non
 
 
 def _torchrun(folder: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node=2", "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-v"]
+    command = torchrun_pytest_command("-rA", "-v")
     command += ["--device", "cpu", "--report-dir", "reports", *args]
     began = time.perf_counter()
     done = subprocess.run(

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from child_pytest import pytest_command
 
 from harness.cases import find_case
 from harness.judge import CASE_TESTS, CHECKS, CheckOutcome, Judgement
@@ -59,9 +59,7 @@ def _summary_checks(folder: Path) -> dict[str, str]:
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, check=False
-    )
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
 
 
 @pytest.mark.parametrize("backend", ["broken.noop", "reference"])
@@ -75,19 +73,9 @@ def test_pytest_and_run_decide_every_check_alike(
     out = capsys.readouterr()
     nodes = [f"{node}[{CASE}]" for node in CASE_TESTS.values()]
     tests = _run(
-        [
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:xdist",
-            "-q",
-            *nodes,
-            *common,
-            "--report-dir",
-            str(tmp_path / "pytest"),
-        ],
+        pytest_command(
+            "-p", "no:xdist", "-q", *nodes, *common, "--report-dir", str(tmp_path / "pytest")
+        ),
         REPO,
     )
     failing = backend != "reference"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_pytest import pytest_command
 
 from harness.cases import (
     MCORE_FAMILY,
@@ -41,7 +42,7 @@ from harness.runs import Refused
 from harness.spec import ModelSpec, gpt_layers
 
 ROOT = Path(__file__).resolve().parents[1]
-PYTEST = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--report-dir", "")
+PYTEST = tuple(pytest_command("-q", "--report-dir", ""))
 
 
 def test_mcore_rows_are_named_apart_and_build_megatron_specs() -> None:

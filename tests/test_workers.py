@@ -4,12 +4,13 @@ on a replaced worker, and the repository's own configuration runs with ``-p no:x
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from child_pytest import HYPOTHESIS_PLUGIN, pytest_command
 
 pytest_plugins = ["pytester"]
 
@@ -39,10 +40,21 @@ def test_other(n):
 
 
 def _pytest(folder: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
     return subprocess.run(
-        command, cwd=folder, capture_output=True, text=True, timeout=timeout, check=False
+        pytest_command(*args),
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
+
+
+def test_child_sessions_name_hypothesis_plugin_as_installed() -> None:
+    """``child_pytest.CHILD_OPTIONS`` leaves Hypothesis's plugin out by its entry-point name: a
+    renamed plugin would silently load again (and cost each child session its import)."""
+    names = {entry.name for entry in importlib.metadata.entry_points(group="pytest11")}
+    assert HYPOTHESIS_PLUGIN in names, sorted(names)
 
 
 def test_a_killed_worker_ends_the_session_with_a_failure(pytester: pytest.Pytester) -> None:
@@ -94,14 +106,9 @@ def test_a_case_row_under_n_reaches_its_report_entry(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     seed = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
+        pytest_command(
             "-q",
             "-rA",
-            "-p",
-            "no:cacheprovider",
             "cases/test_equivalence.py::test_no_leaks",
             "-n",
             "1",  # one worker is enough for the suffix, and one interpreter fewer than -n 2
@@ -109,7 +116,7 @@ def test_a_case_row_under_n_reaches_its_report_entry(tmp_path: Path) -> None:
             f"{seed} and not zero3 and not evalfirst and not 6x3",
             "--report-dir",
             str(tmp_path),
-        ],
+        ),
         cwd=root,
         capture_output=True,
         text=True,
