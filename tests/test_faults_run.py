@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -130,14 +131,27 @@ def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> Non
         stderr=subprocess.STDOUT,
         text=True,
     )
-    time.sleep(8)  # workers spawned, cases running
+    # Workers spawned, cases running: the first case's progress line (flushed as it finishes;
+    # the others are still running), not a fixed sleep that must outlast a loaded machine.
+    assert process.stdout is not None
+    seen: list[str] = []
+    watchdog = threading.Timer(120, process.kill)  # a run that never prints ends the reads
+    watchdog.start()
+    try:
+        while not (seen and seen[-1].startswith("[1/")):
+            line = process.stdout.readline()
+            assert line, "the run ended before a case finished:\n" + "".join(seen)
+            seen.append(line)
+    finally:
+        watchdog.cancel()
     children = subprocess.run(
         ["pgrep", "-P", str(process.pid)], capture_output=True, text=True
     ).stdout.split()
     began = time.perf_counter()
     process.send_signal(signal.SIGINT)
-    out, _ = process.communicate(timeout=60)
+    rest, _ = process.communicate(timeout=60)
     seconds = time.perf_counter() - began
+    out = "".join(seen) + rest
     assert process.returncode == 130, out
     assert seconds < 3, seconds
     assert "Traceback" not in out
