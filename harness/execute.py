@@ -715,7 +715,8 @@ class MemoryResult:
 def run_memory(
     case: Case, env: Environment, observations: list[GroupObservation] | None = None
 ) -> MemoryResult:
-    """Baseline vs offload memory after the last forward and at the final step's peak.
+    """Baseline vs offload memory after the last forward and at the final step's peak, in runs
+    of the case's first ``MEMORY_STEPS`` steps (``memory_run_spec``).
 
     The drop is compared in requested bytes (the sum of the sizes the live allocations asked
     for), which the caching allocator's rounding does not touch, so it must equal the
@@ -729,7 +730,7 @@ def run_memory(
     """
     if env.device.type != "cuda":
         raise ValueError("the memory case needs a CUDA device")
-    spec, run, config = env.spec(case), case.run_spec(), case.offload_config()
+    spec, run, config = env.spec(case), memory_run_spec(case), case.offload_config()
     order = schedule_order(run.schedule, run.microbatches)
     last_forward = last_forward_index(order)
     if observations is None:
@@ -780,6 +781,19 @@ def run_memory(
     )
 
 
+MEMORY_STEPS = 2
+"""Steps a memory run trains: the warmup and one steady step, whose last forward is read.
+Every later steady step opens, offloads and frees the same storages (the policies are decided
+once, at the end of the warmup), so a longer run reads the same bytes at three times the cost;
+the case run's every-step transfer checks are what watch the steps in between."""
+
+
+def memory_run_spec(case: Case) -> RunSpec:
+    """The run spec of ``case``'s memory runs: its own, cut to ``MEMORY_STEPS`` steps."""
+    run = case.run_spec()
+    return run.replace(steps=min(run.steps, MEMORY_STEPS))
+
+
 @dataclass(frozen=True)
 class SharedMemoryBaseline:
     """A no-offload memory reading and what identifies it, like ``SharedPlain``."""
@@ -802,7 +816,7 @@ def memory_baseline(case: Case, env: Environment) -> SharedMemoryBaseline:
     if found is not None:
         return found
     _MEMORY_BASELINE.clear()
-    run = case.run_spec()
+    run = memory_run_spec(case)
     order = schedule_order(run.schedule, run.microbatches)
     last_mb = order[last_forward_index(order)][1]
     reading = _memory_run(env.spec(case), run, NoOffload(), env.device, last_mb, case.sharding)

@@ -319,10 +319,12 @@ def test_run_memory_reads_the_offload_run_against_the_shared_baseline(
     first, second = next(rows for rows in _rows_by_plain_key(cpu).values() if len(rows) > 1)[:2]
     observations = {row.name: record_observations(row, cpu) for row in (first, second)}
     runs: list[str] = []
+    steps: list[int] = []
 
     def fake_run(spec, run, offloader, device, last_mb, sharding):  # type: ignore[no-untyped-def]
         base = isinstance(offloader, NoOffload)
         runs.append("baseline" if base else "offload")
+        steps.append(run.steps)
         requested = 1000 if base else 400
         return execute._MemoryReading(
             allocated=requested + 24,
@@ -345,6 +347,8 @@ def test_run_memory_reads_the_offload_run_against_the_shared_baseline(
     execute.forget_plain_baselines()
     results = [execute.run_memory(row, cuda, observations[row.name]) for row in (first, second)]
     assert runs == ["baseline", "offload", "offload"]
+    # the warmup and one steady step, whatever the row's own steps (6 on these rows)
+    assert first.steps > execute.MEMORY_STEPS and steps == [execute.MEMORY_STEPS] * 3
     for res in results:
         assert (res.baseline_key, res.baseline_made_by) == (plain_key(first, cpu), first.name)
         assert (res.requested_drop, res.allocated_drop, res.rounding) == (600, 600, 48)
