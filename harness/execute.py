@@ -784,8 +784,8 @@ def run_memory(
 MEMORY_STEPS = 2
 """Steps a memory run trains: the warmup and one steady step, whose last forward is read.
 Every later steady step opens, offloads and frees the same storages (the policies are decided
-once, at the end of the warmup), so a longer run reads the same bytes at three times the cost;
-the case run's every-step transfer checks are what watch the steps in between."""
+once, at the end of the warmup), so a longer run reads the same bytes, each further step adding
+only cost; the case run's every-step transfer checks are what watch the steps in between."""
 
 
 def memory_run_spec(case: Case) -> RunSpec:

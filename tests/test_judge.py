@@ -58,10 +58,6 @@ def _summary_checks(folder: Path) -> dict[str, str]:
     return statuses
 
 
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
-
-
 @pytest.mark.parametrize("backend", ["broken.noop", "reference"])
 def test_pytest_and_run_decide_every_check_alike(
     backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -72,11 +68,10 @@ def test_pytest_and_run_decide_every_check_alike(
     code = main(["run", "--case", CASE, *common, "--report-dir", str(tmp_path / "cli")])
     out = capsys.readouterr()
     nodes = [f"{node}[{CASE}]" for node in CASE_TESTS.values()]
-    tests = _run(
-        pytest_command(
-            "-p", "no:xdist", "-q", *nodes, *common, "--report-dir", str(tmp_path / "pytest")
-        ),
-        REPO,
+    command = pytest_command("-p", "no:xdist", "-q", *nodes, *common)
+    command += ["--report-dir", str(tmp_path / "pytest")]
+    tests = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False
     )
     failing = backend != "reference"
     assert code == (1 if failing else 0), out.out + out.err
