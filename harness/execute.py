@@ -84,8 +84,8 @@ class Environment:
 
 
 @contextlib.contextmanager
-def _profiled(device: torch.device, sink: list[TransferCounts]) -> Iterator[None]:
-    with transfer_profiler(device) as prof:
+def _profiled(device: torch.device, sink: list[TransferCounts], ranges: bool) -> Iterator[None]:
+    with transfer_profiler(device, ranges=ranges) as prof:
         yield
     sink.append(count_transfers(prof, mode="device" if device.type == "cuda" else "cpu"))
 
@@ -104,8 +104,11 @@ def profile_steps(
     sink: list[TransferCounts],
     observer: tuple[Windowed, list[Observed]] | None = None,
     observed: set[int] | None = None,
+    *,
+    ranges: bool = True,
 ) -> RunHooks:
-    """Run hooks that profile the listed steps, appending their counts to ``sink``; with
+    """Run hooks that profile the listed steps, appending their counts to ``sink`` (with
+    ``ranges=False`` only the totals on CUDA: ``transfer_profiler``); with
     ``observer`` (the run's ``Windowed`` offloader and a list) the harness's copy observer
     watches the ``observed`` steps (default: the same; they must include them). On a CPU
     device with an observer no profiler runs: the observer reads the offloader's own ranges
@@ -122,7 +125,7 @@ def profile_steps(
         if step not in steps:
             return contextlib.nullcontext()
         if observer is None or device.type == "cuda":
-            return _profiled(device, sink)
+            return _profiled(device, sink, ranges)
         return _ranged(sink, observer[1])  # exits after the observer appended its record
 
     def compute(step: int) -> contextlib.AbstractContextManager[object]:
@@ -482,7 +485,10 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             run.replace(steps=1),
             offloader,
             env.device,
-            hooks=profile_steps(env.device, {0}, disabled, (offloader, disabled_seen)),
+            # Its check reads the step's totals (the observer says which window copied).
+            hooks=profile_steps(
+                env.device, {0}, disabled, (offloader, disabled_seen), ranges=False
+            ),
             sharding=case.sharding,
         )
     baseline = layout or plain  # what the offload run must equal
@@ -603,7 +609,7 @@ def plain_baseline(case: Case, env: Environment) -> SharedPlain:
         env.device,
         # The runner's own copies only matter on CUDA (on CPU only copies inside offload
         # ranges are counted); profiling costs seconds per step on the CPU machine.
-        hooks=profile_steps(env.device, {0, run.steps - 1}, sink)
+        hooks=profile_steps(env.device, {0, run.steps - 1}, sink, ranges=False)
         if env.device.type == "cuda"
         else None,
         keep_grads=True,

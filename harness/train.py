@@ -31,7 +31,7 @@ import torch
 
 from harness import distributed
 from harness.impls import IMPLS
-from harness.models.hybrid import HybridModel, build_model, loss_fn, make_batches
+from harness.models.hybrid import HybridModel, loss_fn, make_batches, seeded_model
 from harness.offload.protocol import Offloader
 from harness.runs import RunHooks, TrainResult
 from harness.spec import SHARDINGS, ModelSpec, RunSpec
@@ -91,7 +91,7 @@ def deterministic(device: torch.device) -> Iterator[None]:
 
 def prepare_model(spec: ModelSpec, run: RunSpec, device: torch.device) -> HybridModel:
     """Build from the run's seed and move to the device and compute dtype."""
-    model = build_model(spec, torch.Generator().manual_seed(run.seed))
+    model = seeded_model(spec, run.seed)
     return model.to(device=device, dtype=DTYPES[run.precision])
 
 
@@ -105,7 +105,7 @@ def shard_model(spec: ModelSpec, run: RunSpec, device: torch.device) -> HybridMo
     # The mesh names the run's device type: FSDP2's default mesh takes the machine's
     # accelerator, which puts a CPU run's parameters on the GPU when one is visible.
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
-    model = build_model(spec, torch.Generator().manual_seed(run.seed)).to(device)
+    model = seeded_model(spec, run.seed).to(device)
     compute = DTYPES[run.precision]
     for module in model.modules():  # buffers (RoPE tables, masks) in the compute dtype
         for name, buffer in list(module.named_buffers(recurse=False)):

@@ -269,15 +269,18 @@ def load_trace(
 
 
 @contextlib.contextmanager
-def transfer_profiler(device: torch.device | str) -> Iterator[profile]:
+def transfer_profiler(device: torch.device | str, *, ranges: bool = True) -> Iterator[profile]:
     """A profiler with what ``count_transfers`` needs for ``device``: CPU activity, plus CUDA
     activity on a CUDA device, or ``record_shapes=True`` on any other (CPU mode reads a copy's
     bytes from its recorded shapes; device mode reads them from the memcpy event, and recording
-    every op's shapes would only slow the profiled steps). On CUDA it synchronizes the device
-    before the profiler stops, so every enqueued copy is in the trace. Kineto's start/stop
-    chatter on file descriptor 2 is silenced; Python-level warnings and errors are not."""
+    every op's shapes would only slow the profiled steps). With ``ranges=False`` a CUDA device's
+    activity alone: no range is recorded, so every copy counts as unattributed - the totals a
+    run with no offloader ranges to read needs, with no CPU op recorded. On CUDA it
+    synchronizes the device before the profiler stops, so every enqueued copy is in the trace.
+    Kineto's start/stop chatter on file descriptor 2 is silenced; Python-level warnings and
+    errors are not."""
     device = torch.device(device)
-    activities = [ProfilerActivity.CPU]
+    activities = [ProfilerActivity.CPU] if ranges or device.type != "cuda" else []
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     prof = profile(activities=activities, record_shapes=device.type != "cuda")
@@ -352,6 +355,7 @@ def _trace_events(trace: Mapping[str, Any], mode: Mode) -> tuple[list[_Event], b
     use (every ``aten::copy_`` but in ``mode="device"``), and whether any event is device
     activity. Only the kept events' times are converted."""
     events: list[_Event] = []
+    launches: dict[Any, tuple[dict[str, Any], str, str]] = {}
     has_device = False
     skip_ops = mode == "device"
     for raw in _complete(trace):
@@ -361,9 +365,32 @@ def _trace_events(trace: Mapping[str, Any], mode: Mode) -> tuple[list[_Event], b
         name = str(raw.get("name", ""))
         keep, device = _wanted(cat, name)
         has_device = has_device or device
-        if keep:
-            events.append(_from_raw(raw, cat, name))
+        if not keep:
+            continue
+        if cat in _LAUNCH_CATS and not name.startswith("Memcpy "):
+            correlation = (raw.get("args") or {}).get("correlation")
+            if correlation is not None:
+                launches.setdefault(correlation, (raw, cat, name))
+            continue
+        events.append(_from_raw(raw, cat, name))
+    events += _launches_of_memcpys(events, lambda c: _from_raw(*launches[c]), launches)
     return events, has_device
+
+
+def _launches_of_memcpys(
+    events: list[_Event], make: Callable[[Any], _Event], launches: Mapping[Any, object]
+) -> list[_Event]:
+    """The launch events (first per correlation id) of the memcpys among ``events``, made only
+    now: a profiled step launches thousands of kernels, and only its memcpys' launches are read
+    (``_count_device``)."""
+    wanted = {
+        correlation
+        for e in events
+        if _memcpy_direction(e.name) is not None
+        and (correlation := e.correlation_id()) is not None
+        and correlation in launches
+    }
+    return [make(correlation) for correlation in wanted]
 
 
 def _complete(trace: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
@@ -483,6 +510,7 @@ def _memory_events(activities: Iterable[Any], mode: Mode = "auto") -> tuple[list
     its name only where the type can keep it, and the CUDA correlation id straight from the
     activity (its metadata is parsed only where a counter reads it: a memcpy's bytes)."""
     events: list[_Event] = []
+    launches: dict[Any, tuple[Any, str, str]] = {}
     has_device = False
     skip_ops = mode == "device"
     for activity in activities:
@@ -494,19 +522,29 @@ def _memory_events(activities: Iterable[Any], mode: Mode = "auto") -> tuple[list
         has_device = has_device or device
         if not keep:
             continue
-        start = activity.timestamp()
-        events.append(
-            _Event(
-                name=name,
-                cat=cat,
-                thread=(activity.device_id(), _sanitize_tid(activity.resource_id())),
-                start=start,
-                end=start + max(activity.duration(), 0),
-                args=_Metadata(activity),
-                correlation=(activity.correlation_id() or None) if device else None,
-            )
-        )
+        if cat in _LAUNCH_CATS and not name.startswith("Memcpy "):
+            correlation = activity.correlation_id() or None
+            if correlation is not None:
+                launches.setdefault(correlation, (activity, cat, name))
+            continue
+        events.append(_from_activity(activity, cat, name, device))
+    events += _launches_of_memcpys(
+        events, lambda c: _from_activity(*launches[c], device=True), launches
+    )
     return events, has_device
+
+
+def _from_activity(activity: Any, cat: str, name: str, device: bool) -> _Event:
+    start = activity.timestamp()
+    return _Event(
+        name=name,
+        cat=cat,
+        thread=(activity.device_id(), _sanitize_tid(activity.resource_id())),
+        start=start,
+        end=start + max(activity.duration(), 0),
+        args=_Metadata(activity),
+        correlation=(activity.correlation_id() or None) if device else None,
+    )
 
 
 def _our_ranges(events: Iterable[_Event]) -> dict[tuple[Any, Any], list[_Span]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.models.hybrid import build_model, make_batches
+from harness.models.hybrid import build_model, draw_batches, make_batches, seeded_model
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.recorder import RecordingOffloader
@@ -313,6 +313,34 @@ def test_bf16_updates_below_one_ulp_accumulate() -> None:
     norms = [v for k, v in slow.final_state.items() if k.endswith("norm.weight")]
     moved = sum(int((v != 1.0).sum()) for v in norms)
     assert moved > 0, "no norm weight left 1.0: sub-ULP updates were lost (no fp32 main copy?)"
+
+
+def test_a_seeded_model_built_again_is_a_fresh_bitwise_copy() -> None:
+    """``seeded_model`` reuses the weights of its last (spec, seed): the reuse must be the same
+    model ``build_model`` makes, in its own storage, untouched by training the earlier one."""
+    spec = preset("hybrid-tiny")
+    expected = _state(spec, 11)
+    first = seeded_model(spec, 11)
+    assert _bitwise_equal(first.state_dict(), expected)
+    rng_before = torch.random.get_rng_state()
+    with torch.no_grad():
+        for param in first.parameters():
+            param.add_(1.0)  # what training the first one does to its weights, in place
+    second = seeded_model(spec, 11)
+    assert torch.equal(torch.random.get_rng_state(), rng_before), "reuse touched the global RNG"
+    assert _bitwise_equal(second.state_dict(), expected)
+    first_storage = {p.data_ptr() for p in first.parameters()}
+    assert not first_storage & {p.data_ptr() for p in second.parameters()}, "storage shared"
+    assert _bitwise_equal(seeded_model(spec, 12).state_dict(), _state(spec, 12))
+
+
+def test_batches_drawn_again_are_fresh_bitwise_copies() -> None:
+    spec = preset("hybrid-tiny")
+    first = make_batches(spec, seed=5, steps=3, microbatches=2)
+    first.zero_()  # a caller writing into its batches must not change the next caller's
+    again = make_batches(spec, seed=5, steps=3, microbatches=2)
+    assert torch.equal(again, draw_batches(spec, seed=5, steps=3, microbatches=2))
+    assert int(again.max()) > 0
 
 
 def test_batches_are_fixed_per_seed_step_and_microbatch() -> None:

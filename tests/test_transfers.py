@@ -621,3 +621,31 @@ def test_cuda_counts_match_offloader_and_shapes(dtype: torch.dtype) -> None:
     assert counts.unattributed == {"d2h": Counts(), "h2d": Counts()}
     assert counts.by_group() == expected_from_shapes(torch.empty((), dtype=dtype).element_size())
     scenario.off.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_totals_without_ranges_match_the_ranged_count() -> None:
+    """``transfer_profiler(ranges=False)`` (the plain and disabled runs' profiler): the same
+    copies and bytes per direction as the full profiler, every one unattributed."""
+    counted = []
+    for ranges in (True, False):  # one fresh scenario each: both count its warmup iteration
+        scenario = Scenario("cuda", torch.float32)
+        with transfer_profiler("cuda", ranges=ranges) as prof:
+            scenario.iteration()
+        counted.append(count_transfers(prof, mode="device"))
+        scenario.off.close()
+    ranged, totals = counted
+    assert ranged.totals()["d2h"].copies > 0 and not totals.by_range
+    for direction in ("d2h", "h2d"):
+        everything = ranged.totals()[direction] + ranged.unattributed[direction]
+        assert totals.unattributed[direction] == everything
+
+
+def test_cpu_transfer_profiler_without_ranges_still_sees_the_copies() -> None:
+    """On a CPU device the counter reads CPU ops, so ``ranges=False`` keeps CPU activity."""
+    scenario = Scenario("cpu", torch.float32)
+    with transfer_profiler("cpu", ranges=False) as prof:
+        scenario.iteration()
+    scenario.off.close()
+    assert count_transfers(prof).by_group() == expected_from_shapes(4)
