@@ -84,7 +84,9 @@ class Environment:
 
 
 @contextlib.contextmanager
-def _profiled(device: torch.device, sink: list[TransferCounts], ranges: bool) -> Iterator[None]:
+def _profiled(
+    device: torch.device, sink: list[TransferCounts], ranges: bool = True
+) -> Iterator[None]:
     with transfer_profiler(device, ranges=ranges) as prof:
         yield
     sink.append(count_transfers(prof, mode="device" if device.type == "cuda" else "cpu"))
