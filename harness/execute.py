@@ -589,6 +589,27 @@ def sharing_key(case: Case, env: Environment) -> str:
         return case.name
 
 
+MAX_ROWS_SHARING = 4
+"""The most case rows in one sharing group. The rows of a group run one after another on one
+worker, which trains their plain baseline once; beyond this many, the further rows of a key
+form further groups, each training the baseline again (about a second on the H200), so that
+the full matrix's keys of 12 and 15 rows spread over the workers."""
+
+
+def sharing_groups(cases: list[Case], env: Environment) -> list[str]:
+    """Each case's group: ``plain-<sharing key>`` for its key's first ``MAX_ROWS_SHARING`` cases
+    in table order, ``plain-<key>.2`` for the next ones, and so on (the pytest plugin's xdist
+    groups, ``offload-harness run``'s bundles)."""
+    seen: dict[str, int] = {}
+    groups = []
+    for case in cases:
+        key = sharing_key(case, env)
+        chunk = seen.get(key, 0) // MAX_ROWS_SHARING
+        seen[key] = seen.get(key, 0) + 1
+        groups.append(f"plain-{key}" + (f".{chunk + 1}" if chunk else ""))
+    return groups
+
+
 def _digest(spec: ModelSpec, run: RunSpec, sharding: str, device: torch.device) -> str:
     text = repr((spec, run, sharding, str(device), distributed.world_size()))
     return hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cases import Case
-from harness.execute import Environment, sharing_key
+from harness.execute import Environment, sharing_groups
 from harness.judge import judge
 from harness.parallel import kill_pool, worker_pool
 
@@ -97,8 +97,9 @@ def _bundles(cases: list[Case], env: Environment, indices: list[int]) -> list[li
     """``indices`` grouped by plain baseline (``harness.execute.plain_key``), the groups
     longest first: a long case started last would leave the other workers idle at the end."""
     groups: dict[str, list[int]] = {}
+    names = sharing_groups(cases, env)
     for index in indices:
-        groups.setdefault(sharing_key(cases[index], env), []).append(index)
+        groups.setdefault(names[index], []).append(index)
     return sorted(groups.values(), key=lambda group: -sum(cases[i].work for i in group))
 
 
