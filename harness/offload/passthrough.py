@@ -69,14 +69,15 @@ class NoOffload:
         return None
 
 
-def apply_to_first(output: Output, fn: Callable[[torch.Tensor], torch.Tensor]) -> Output:
-    """Apply ``fn`` to ``output`` or to element 0 of a tuple/list output, keeping its structure
-    (Megatron's commit only passes element 0 through the identity op)."""
+def apply_to_first(output: Output, fn: Callable[..., torch.Tensor], *args: Any) -> Output:
+    """Apply ``fn`` (with ``args`` after the tensor) to ``output`` or to element 0 of a
+    tuple/list output, keeping its structure (Megatron's commit only passes element 0 through
+    the identity op)."""
     if isinstance(output, torch.Tensor):
-        return fn(output)  # type: ignore[return-value]
+        return fn(output, *args)  # type: ignore[return-value]
     if isinstance(output, tuple | list):
         if not output:
             return output
-        first = fn(output[0])
+        first = fn(output[0], *args)
         return type(output)([first, *output[1:]])  # type: ignore[return-value]
     raise TypeError(f"group commit expects a tensor or a tuple/list of tensors, got {type(output)}")

@@ -77,17 +77,21 @@ class HostBufferPool:
 
         ``stream`` (the D2H stream on CUDA) is made to wait for the buffer's pending reader.
         """
-        self.stats.allocation_requests += 1
-        self.stats.current_in_use += 1
-        free = self._free.setdefault((tuple(shape), dtype), deque())
+        stats = self.stats
+        stats.allocation_requests += 1
+        stats.current_in_use += 1
+        key = (tuple(shape), dtype)
+        free = self._free.get(key)
         if free:
             buffer, pending_read = free.popleft()
             if pending_read is not None and stream is not None:
                 stream.wait_event(pending_read)
-            self.stats.pool_hits += 1
+            stats.pool_hits += 1
             return buffer, True
-        self.stats.pool_misses += 1
-        self.stats.total_allocated += 1
+        if free is None:
+            self._free[key] = deque()  # ``release`` appends to it
+        stats.pool_misses += 1
+        stats.total_allocated += 1
         return staging_buffer(shape, dtype, pin_memory=self.pin_memory), False
 
     def release(self, buffer: torch.Tensor, pending_read: torch.cuda.Event | None) -> None:

@@ -40,6 +40,8 @@ def range_name(direction: Direction, name: str, microbatch: int, layer: int) -> 
 _watchers = 0
 """How many harness copy observers watch the ranges now (``watching``)."""
 _open = threading.local()
+_NO_RANGE = contextlib.nullcontext()
+"""The range where none is kept: stateless, so one object serves every ``with``."""
 
 
 def profiler_range(
@@ -50,11 +52,9 @@ def profiler_range(
     nothing otherwise (a range costs tens of microseconds per group even unprofiled)."""
     profiling = torch._C._autograd._profiler_enabled()
     if not profiling and not _watchers:
-        return contextlib.nullcontext()
+        return _NO_RANGE
     inner: contextlib.AbstractContextManager[Any] = (
-        record_function(range_name(direction, name, microbatch, layer))
-        if profiling
-        else contextlib.nullcontext()
+        record_function(range_name(direction, name, microbatch, layer)) if profiling else _NO_RANGE
     )
     if not _watchers:
         return inner

@@ -67,6 +67,9 @@ from harness.predict import MEGATRON_MAIN
 # storage (one DMA, layout restored on reload); a sparser view is gathered to contiguous.
 FULL_STORAGE_MIN_COVERAGE = 0.5
 
+_push_saved_tensors_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_saved_tensors_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
 OPEN, KEPT, OFFLOADED, RELOADING = "open", "kept", "offloaded", "reloading"
 """``GroupState.status`` values within an iteration (building blocks for reference variants)."""
 
@@ -188,20 +191,17 @@ class ChunkState:
 class _Handle:
     """A selected group as model code sees it (see ``harness.offload.protocol.Group``)."""
 
-    __slots__ = ("_ctx", "_group", "_hooks", "input")
+    __slots__ = ("_ctx", "_group", "input")
 
     def __init__(self, ctx: OffloadContext, group: GroupState, x: torch.Tensor) -> None:
         self._ctx = ctx
         self._group = group
-        self._hooks: Any = None
         self.input = _GroupStart.apply(x, ctx, group)
 
     def __enter__(self) -> _Handle:
+        # What ``torch.autograd.graph.saved_tensors_hooks`` does, without its object per group.
         group, ctx = self._group, self._ctx
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(
-            lambda t: ctx._pack(group, t), ctx._unpack
-        )
-        self._hooks.__enter__()
+        _push_saved_tensors_hooks(lambda t: ctx._pack(group, t), ctx._unpack)
         return self
 
     def __exit__(
@@ -210,12 +210,10 @@ class _Handle:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._hooks.__exit__(exc_type, exc, tb)
-        self._hooks = None
+        _pop_saved_tensors_hooks()
 
     def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
-        ctx, group, release = self._ctx, self._group, tuple(release)
-        return apply_to_first(output, lambda t: _GroupCommit.apply(t, ctx, group, release))
+        return apply_to_first(output, _GroupCommit.apply, self._ctx, self._group, tuple(release))
 
 
 class _GroupStart(torch.autograd.Function):
@@ -272,6 +270,7 @@ class OffloadContext:
         delays: RaceDelays | None = None,
     ) -> None:
         self.config = config
+        self._selected = config.selected  # the config is frozen; its property builds a new set
         self.device = _normalize(torch.device(device))
         self.cuda = self.device.type == "cuda"
         self.delays = delays or RaceDelays()
@@ -339,7 +338,7 @@ class OffloadContext:
 
     def _opens(self, name: str) -> bool:
         """Whether a start of group ``name`` opens a group (selected, enabled, grad mode on)."""
-        return self.enabled and name in self.config.selected and torch.is_grad_enabled()
+        return self.enabled and name in self._selected and torch.is_grad_enabled()
 
     def _new_group(self, chunk: ChunkState, name: str, layer: int) -> GroupState | None:
         """Warmup: record a new group occurrence in ``chunk`` (start order)."""
@@ -425,7 +424,7 @@ class OffloadContext:
     def _expect_group(self, chunk: ChunkState, name: str, layer: int) -> GroupState | None:
         if chunk.cursor < len(chunk.groups):
             group = chunk.groups[chunk.cursor]
-            if (group.name, group.layer) == (name, layer):
+            if group.name == name and group.layer == layer:
                 chunk.cursor += 1
                 return group
             recorded = f"{group.name} (layer {group.layer})"
@@ -456,11 +455,13 @@ class OffloadContext:
             self._device_refs.pop(address, None)
 
     def _trackable(self, tensor: torch.Tensor) -> bool:
-        return (
-            tensor.device == self.device
-            and not isinstance(tensor, torch.nn.Parameter)
-            and not _is_fake_or_functional(tensor)
-        )
+        if tensor.device != self.device:
+            return False
+        # A plain tensor is neither a parameter nor a fake or functional tensor (subclasses all);
+        # ``isinstance(t, Parameter)`` also holds for a plain tensor flagged ``_is_param``.
+        if type(tensor) is torch.Tensor and not getattr(tensor, "_is_param", False):
+            return True
+        return not isinstance(tensor, torch.nn.Parameter) and not _is_fake_or_functional(tensor)
 
     def _eligible(self, tensor: torch.Tensor) -> bool:
         numel = tensor.numel()
@@ -522,10 +523,11 @@ class OffloadContext:
             if self.cuda and self.delays.d2h:
                 torch.cuda._sleep(self.delays.d2h)
             with group_range("d2h", group):
-                for slot, tensor in list(group.entries.items()):
+                entries, on_device = group.entries, group.on_device
+                for slot, tensor in list(entries.items()):
                     if isinstance(tensor, torch.Tensor) and self._eligible(tensor):
-                        group.entries[slot] = self._copy_out(group, tensor)
-                        group.on_device.discard(slot)
+                        entries[slot] = self._copy_out(group, tensor)
+                        on_device.discard(slot)
                         self._hold(tensor, -1)
                 if self.cuda:
                     group.d2h_event.record(self._d2h)
@@ -537,7 +539,8 @@ class OffloadContext:
 
     def _copy_out(self, group: GroupState, tensor: torch.Tensor) -> HostCopy:
         src, view = _transfer_source(tensor)
-        if group.use_pool:
+        pooled = group.use_pool
+        if pooled:
             buffer, hit = self.pool.acquire(src.shape, src.dtype, self._d2h)
             group.pool_hits += hit
             group.pool_misses += not hit
@@ -548,8 +551,8 @@ class OffloadContext:
         # this copy has read it.
         self._protect_source(tensor)
         if self.warmup:
-            group.warmup_bytes += buffer.numel() * buffer.element_size()
-        return HostCopy(buffer, view, group.use_pool)
+            group.warmup_bytes += buffer.nbytes
+        return HostCopy(buffer, view, pooled)
 
     def _new_host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An unpooled host buffer (pinned on CUDA)."""
@@ -558,8 +561,9 @@ class OffloadContext:
     def _d2h_copy(self, group: GroupState, buffer: torch.Tensor, src: torch.Tensor) -> None:
         """One D2H copy into ``buffer``, counted in the group's log."""
         buffer.copy_(src, non_blocking=self.cuda)
-        group.counts["d2h_copies"] += 1
-        group.counts["d2h_bytes"] += buffer.numel() * buffer.element_size()
+        counts = group.counts
+        counts["d2h_copies"] += 1
+        counts["d2h_bytes"] += buffer.nbytes
 
     def _protect_source(self, tensor: torch.Tensor) -> None:
         """Keep ``tensor``'s memory from reuse until the D2H stream's pending work is done."""
@@ -658,9 +662,10 @@ class OffloadContext:
             if self.cuda and self.delays.h2d:
                 torch.cuda._sleep(self.delays.h2d)
             with group_range("h2d", group):
-                for slot, entry in list(group.entries.items()):
+                entries = group.entries
+                for slot, entry in list(entries.items()):
                     if isinstance(entry, HostCopy):
-                        group.entries[slot] = self._copy_in(group, entry)
+                        entries[slot] = self._copy_in(group, entry)
                         if entry.pooled:
                             returned[id(entry.buffer)] = entry.buffer
                 if self.cuda:
@@ -696,8 +701,9 @@ class OffloadContext:
     def _h2d_copy(self, group: GroupState, restored: torch.Tensor, buffer: torch.Tensor) -> None:
         """One H2D copy from ``buffer``, counted in the group's log."""
         restored.copy_(buffer, non_blocking=self.cuda)
-        group.counts["h2d_copies"] += 1
-        group.counts["h2d_bytes"] += buffer.numel() * buffer.element_size()
+        counts = group.counts
+        counts["h2d_copies"] += 1
+        counts["h2d_bytes"] += buffer.nbytes
 
     # ------------------------------------------------------------------------------ helpers
     def _switch_to(
