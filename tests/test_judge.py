@@ -65,14 +65,21 @@ def test_pytest_and_run_decide_every_check_alike(
     from harness.cli import main
 
     common = ["--backend", backend, "--device", "cpu"]
-    code = main(["run", "--case", CASE, *common, "--report-dir", str(tmp_path / "cli")])
-    out = capsys.readouterr()
     nodes = [f"{node}[{CASE}]" for node in CASE_TESTS.values()]
     command = pytest_command("-p", "no:xdist", "-q", *nodes, *common)
     command += ["--report-dir", str(tmp_path / "pytest")]
-    tests = subprocess.run(
-        command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+    # The pytest session starts first and imports while the CLI runs here.
+    child = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    try:
+        code = main(["run", "--case", CASE, *common, "--report-dir", str(tmp_path / "cli")])
+        out = capsys.readouterr()
+        stdout, stderr = child.communicate(timeout=300)
+    finally:
+        child.kill()
+        child.wait()
+    tests = subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
     failing = backend != "reference"
     assert code == (1 if failing else 0), out.out + out.err
     assert tests.returncode == (1 if failing else 0), tests.stdout + tests.stderr
