@@ -340,13 +340,14 @@ def test_torchrun_hang_on_one_rank_fails_that_test_and_the_session_goes_on(
     timeout as its own failure, and the next test runs on both ranks; summary.json is complete."""
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_hang=HANG_ON_RANK_ONE)
-    done, seconds = _torchrun(pytester.path, "--case-timeout", "15")
+    # The other tests take milliseconds: a short timeout is ample and keeps the test short.
+    done, seconds = _torchrun(pytester.path, "--case-timeout", "6")
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
-    assert seconds < 15 + 60, seconds
+    assert seconds < 6 + 60, seconds
     test = "test_hang.py::test_rank_one_hangs"
     assert re.search(
-        rf"rank 0 pid \d+ timed out in {re.escape(test)} after 15 s .*ranks still inside it: \[1\]",
+        rf"rank 0 pid \d+ timed out in {re.escape(test)} after 6 s .*ranks still inside it: \[1\]",
         out,
     ), out
     assert re.search(rf"rank 1 pid \d+ timed out in {re.escape(test)}", out), out
@@ -395,10 +396,10 @@ def test_torchrun_rank_stuck_in_a_collective_ends_with_a_partial_summary(
 
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_stuck=STUCK_IN_A_COLLECTIVE)
-    done, seconds = _torchrun(pytester.path, "--case-timeout", "10")
+    done, seconds = _torchrun(pytester.path, "--case-timeout", "5")
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
-    assert seconds < 10 + GRACE_S + 45, seconds
+    assert seconds < 5 + GRACE_S + 45, seconds
     test = "test_stuck.py::test_rank_one_hangs_before_a_collective"
     assert re.search(rf"rank 0 pid \d+ timed out in {re.escape(test)} .*\[0, 1\]", out), out
     assert re.search(rf"rank 0 pid \d+: {re.escape(test)} did not end within", out), out
