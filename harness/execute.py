@@ -604,8 +604,9 @@ def sharing_groups(cases: list[Case], env: Environment) -> list[str]:
     groups = []
     for case in cases:
         key = sharing_key(case, env)
-        chunk = seen.get(key, 0) // MAX_ROWS_SHARING
-        seen[key] = seen.get(key, 0) + 1
+        earlier = seen.get(key, 0)
+        seen[key] = earlier + 1
+        chunk = earlier // MAX_ROWS_SHARING
         groups.append(f"plain-{key}" + (f".{chunk + 1}" if chunk else ""))
     return groups
 

@@ -94,8 +94,9 @@ def run_bundle(
 
 
 def _bundles(cases: list[Case], env: Environment, indices: list[int]) -> list[list[int]]:
-    """``indices`` grouped by plain baseline (``harness.execute.plain_key``), the groups
-    longest first: a long case started last would leave the other workers idle at the end."""
+    """``indices`` grouped as ``harness.execute.sharing_groups`` groups them (rows of one plain
+    baseline, at most ``MAX_ROWS_SHARING`` each), the groups longest first: a long case started
+    last would leave the other workers idle at the end."""
     groups: dict[str, list[int]] = {}
     names = sharing_groups(cases, env)
     for index in indices:
