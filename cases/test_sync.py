@@ -1,7 +1,10 @@
 """No host synchronisation on the offload hot path (CUDA).
 
-The backend under test trains the case for ``harness.judge.GUARDED_STEP + 1`` steps. The steps
-before the guarded one are unguarded on purpose: the first is the offloader's warmup (its
+The guarded step is step ``harness.syncguard.GUARDED_STEP`` (2) of the case's offload run, armed
+there (``harness.execute.guards_in_offload_run``) so the check trains nothing of its own; a row of
+too few steps gets a run of its own of ``GUARDED_STEP + 1`` steps. An offloader that synchronises
+fails that step, and the offload run is made again without the guard for the other checks. The
+steps before the guarded one are unguarded on purpose: the first is the offloader's warmup (its
 pinned pool is allocated there) and the optimizer allocates its state in it; the next lets every
 allocator settle. In the guarded steady step every entry point of the backend - group start,
 enter, pack, exit, commit, the backward of the nodes it adds, unpack, begin_microbatch,

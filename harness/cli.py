@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from harness import settings
+from harness.bytecode import missing_bytecode
 from harness.cases import (
     MATRICES,
     Case,
@@ -268,6 +269,9 @@ def command_run(args: argparse.Namespace) -> int:
 
     if folder is not None and plots:
         preload_plotting()
+    note = missing_bytecode(sys.modules["torch"])
+    if note:
+        print(f"note: {note}")
     try:
         status = run_cases(
             cases,

@@ -17,7 +17,7 @@ import gc
 import hashlib
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from harness.compare import (
     layout_verdict,
     verdict,
 )
+from harness.impls import IMPLS
 from harness.observe import Copy, Observed, Windowed, corrupted_reloads, observe
 from harness.offload.backends import capabilities, resolve_backend
 from harness.offload.config import OffloadConfig
@@ -52,6 +53,14 @@ from harness.predict import (
     redundant_reload_bytes,
 )
 from harness.spec import ModelSpec, RunSpec
+from harness.syncguard import (
+    GUARDED_STEP,
+    GuardedOffloader,
+    GuardedRun,
+    HostSyncError,
+    SyncGuard,
+    guarded_steps_hooks,
+)
 from harness.train import RunHooks, TrainResult, last_forward_index, schedule_order, train
 from harness.transfers import Counts, TransferCounts, count_transfers, transfer_profiler
 
@@ -297,6 +306,10 @@ class CaseRun:
     run_seconds: dict[str, float] = field(default_factory=dict)
     """Host seconds of each run (``plain``, ``hooks``, ``layout``, ``offload``, ``disabled``),
     where the case's time goes."""
+    guarded: GuardedRun | HostSyncError | None = None
+    """The host-sync check's guarded step ``GUARDED_STEP``, taken inside the offload run
+    (``guards_in_offload_run``), or the sync that stopped it (the offload run was then made
+    again without the guard); None where the check makes a run of its own."""
     seconds: float = 0.0
 
     @property
@@ -415,6 +428,45 @@ def attribution_mismatches(res: CaseRun, final_step: int) -> list[str]:
     return out
 
 
+def guards_in_offload_run(case: Case, env: Environment) -> bool:
+    """Whether the case's offload run also arms the host-sync guard for its step
+    ``GUARDED_STEP``, so the sync check trains nothing of its own (on the H200 that run was an
+    eighth of the full matrix's test time): on CUDA, for an implementation the guard applies to,
+    in a run whose profiled steps (the first and the last) are not that step. The guard changes
+    no tensor; an offloader that synchronises fails that step, and the offload run is made
+    again without it."""
+    return (
+        env.device.type == "cuda"
+        and IMPLS[case.impl].sync_guard is None
+        and case.run_spec().steps > GUARDED_STEP + 1
+    )
+
+
+@dataclass(frozen=True)
+class _OffloadTraining:
+    result: TrainResult
+    sink: list[TransferCounts]
+    seen: list[Observed]
+    weights_known: int
+    guard: SyncGuard | None
+
+
+def _arming(
+    inner: Callable[[int], contextlib.AbstractContextManager[object]] | None, guard: SyncGuard
+) -> Callable[[int], contextlib.AbstractContextManager[object]]:
+    """``inner``'s step context with ``guard`` armed inside it for step ``GUARDED_STEP``."""
+    arm = guarded_steps_hooks(guard, {GUARDED_STEP})
+
+    def context(step: int) -> contextlib.AbstractContextManager[object]:
+        stack = contextlib.ExitStack()
+        if inner is not None:
+            stack.enter_context(inner(step))
+        stack.enter_context(arm(step))
+        return stack
+
+    return context
+
+
 def run_case(case: Case, env: Environment) -> CaseRun:
     """The plain baseline, the hooks baseline's first training iteration (all of it when the
     offload run's losses differ from the plain baseline's, to classify the difference), the
@@ -461,19 +513,43 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         copier = LayoutBaseline(config, env.device, env.semantics, moves, eval_first=run.eval_first)
         with _timed(seconds, "layout"):
             layout = train(spec, run, copier, env.device, **kept)
-    sink: list[TransferCounts] = []
-    seen: list[Observed] = []
     final = warmup if last == 0 else steady  # a one-step run's final step is its warmup
     planned = [(o.layer, o.name) for o in observations if o.microbatch == order[0][1]]
-    with _closing(Windowed(env.offloader(config), checksums=True)) as offloader:
-        plan_of(offloader, planned)
-        offload_hooks = profile_steps(
-            env.device, {0, last}, sink, (offloader, seen), set(range(run.steps))
+
+    def offload_training(guarded: bool) -> _OffloadTraining:
+        sink: list[TransferCounts] = []
+        seen: list[Observed] = []
+        guard = SyncGuard(env.device) if guarded else None
+        with _closing(Windowed(env.offloader(config), checksums=True)) as offloader:
+            plan_of(offloader, planned)
+            hooks = profile_steps(
+                env.device, {0, last}, sink, (offloader, seen), set(range(run.steps))
+            )
+            hooks.model_ready = offloader.note_model
+            trained: Offloader = offloader
+            if guard is not None:
+                hooks.step_context = _arming(hooks.step_context, guard)
+                trained = GuardedOffloader(offloader, guard)
+            result = train(spec, run, trained, env.device, hooks=hooks, **kept)
+            return _OffloadTraining(result, sink, seen, len(offloader.state.weights), guard)
+
+    guarded: GuardedRun | HostSyncError | None = None
+    with _timed(seconds, "offload"):
+        try:
+            made = offload_training(guards_in_offload_run(case, env))
+        except HostSyncError as exc:
+            # The host-sync check's verdict; every other check reads a run without the guard.
+            guarded = exc
+            made = offload_training(False)
+    offload, sink, seen, weights_known = made.result, made.sink, made.seen, made.weights_known
+    if made.guard is not None:
+        guarded = GuardedRun(
+            guarded_steps=(GUARDED_STEP,),
+            windows=Counter(made.guard.windows),
+            logs=offload.logs,
+            losses=offload.losses,
+            observed_d2h=sum(c.direction == "d2h" for c in seen[GUARDED_STEP].copies),
         )
-        offload_hooks.model_ready = offloader.note_model
-        with _timed(seconds, "offload"):
-            offload = train(spec, run, offloader, env.device, hooks=offload_hooks, **kept)
-        weights_known = len(offloader.state.weights)
     mode = "device" if cuda else "cpu"
     mine = [s.without(own[0]) for s in seen]  # every step's
     per_step = [m.counts(mode) for m in mine]
@@ -535,6 +611,7 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         plain_key=shared.key,
         plain_made_by=shared.made_by,
         run_seconds=seconds,
+        guarded=guarded,
         seconds=time.perf_counter() - start,
     )
     # Compared: drop the copies (GBs on GPUs); the shared plain result keeps its own until the

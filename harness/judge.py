@@ -46,10 +46,7 @@ from harness.predict import SIMPLEST
 from harness.report import case_record, memory_record
 from harness.runs import Refused
 from harness.sanitizer import describe
-
-GUARDED_STEP = 2
-"""The steady step the host-sync check guards: the first is the offloader's warmup (its pinned
-pool is allocated there, and the optimizer's state), the next lets every allocator settle."""
+from harness.syncguard import GUARDED_STEP
 
 STATUSES = ("pass", "fail", "skip", "n-a")
 
@@ -144,7 +141,12 @@ class CaseRuns:
 
     def guarded(self) -> Any:
         """The guarded training of the host-sync check: a ``GuardedRun``, or the
-        ``HostSyncError`` that stopped it."""
+        ``HostSyncError`` that stopped it. The case run's offload run guards its step
+        ``GUARDED_STEP`` where it can (``harness.execute.guards_in_offload_run``); otherwise,
+        or before the case run is made, a run of its own."""
+        made = self._made.get("case")
+        if isinstance(made, CaseRun) and made.guarded is not None:
+            return made.guarded
         return self._once("sync", self._guarded_run)
 
     def _guarded_run(self) -> Any:

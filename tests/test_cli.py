@@ -365,8 +365,10 @@ def test_jobs_default_on_cpu_is_one_per_core(monkeypatch: pytest.MonkeyPatch) ->
     assert resolve_jobs(None, torch.device("cpu"), 5) == 5
 
 
-@pytest.mark.parametrize(("cores", "cases", "expected"), [(16, 21, 8), (64, 21, 8), (6, 21, 3)])
-def test_jobs_default_on_cuda_is_one_per_two_cores_up_to_8(
+@pytest.mark.parametrize(
+    ("cores", "cases", "expected"), [(16, 21, 12), (64, 21, 12), (6, 21, 4), (16, 5, 5)]
+)
+def test_jobs_default_on_cuda_is_three_per_four_cores_up_to_12(
     cores: int, cases: int, expected: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from harness.settings import resolve_jobs

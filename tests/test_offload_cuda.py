@@ -123,3 +123,25 @@ def test_delayed_streams_keep_losses_bitwise(delays: RaceDelays, schedule: str) 
     off.close()
     assert sum(log.d2h_bytes for log in offload.logs) > 0
     assert torch.equal(plain.losses, offload.losses), (plain.losses, offload.losses)
+
+
+@pytest.mark.parametrize("backend", ["reference", "broken.host_sync"])
+def test_the_case_runs_offload_run_is_the_sync_checks_guarded_run(backend: str) -> None:
+    """On CUDA the offload run arms the guard for its step ``GUARDED_STEP``: the reference
+    passes it, ``broken.host_sync`` is caught there by ATen's debug mode, and its offload run
+    is made again without the guard, so the loss check still reads every step."""
+    from harness.execute import Environment, guards_in_offload_run, run_case
+    from harness.offload.broken import SEED
+    from harness.syncguard import GUARDED_STEP, GuardedRun, HostSyncError
+
+    env = Environment(device=torch.device("cuda", torch.cuda.current_device()), backend=backend)
+    assert guards_in_offload_run(SEED, env)
+    res = run_case(SEED, env)
+    assert torch.equal(res.offload.losses, res.plain.losses) and res.verdict.ok
+    if backend == "reference":
+        assert isinstance(res.guarded, GuardedRun) and not res.guarded.problems(), res.guarded
+        assert res.guarded.guarded_steps == (GUARDED_STEP,) and res.guarded.windows["commit"]
+    else:
+        assert isinstance(res.guarded, HostSyncError), res.guarded
+        assert str(res.guarded).startswith(f"step {GUARDED_STEP}, "), res.guarded
+        assert "synchronizing CUDA operation" in str(res.guarded), res.guarded

@@ -5,16 +5,32 @@ naming it. The detection itself is exercised on GPU by ``cases/test_sync.py``.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
+from harness import execute, syncguard
+from harness.execute import Environment, run_case
+from harness.judge import CaseRuns
+from harness.offload.broken import SEED
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
+from harness.offload.protocol import Offloader
 from harness.offload.reference import OffloadContext
 from harness.spec import RunSpec, preset
-from harness.syncguard import SYNC_MESSAGE, HostSyncError, SyncGuard, _record_explicit, run_guarded
+from harness.syncguard import (
+    GUARDED_STEP,
+    SYNC_MESSAGE,
+    GuardedGroup,
+    GuardedOffloader,
+    GuardedRun,
+    HostSyncError,
+    SyncGuard,
+    _record_explicit,
+    run_guarded,
+)
 from harness.train import train
 
 SPEC = preset("hybrid-tiny")
@@ -97,9 +113,76 @@ def test_a_guarded_run_of_a_logless_backend_that_moved_nothing_proves_nothing() 
     """Without a log, the copy observer must have seen a D2H in the guarded steps."""
     from collections import Counter
 
-    from harness.syncguard import GuardedRun
-
     windows = Counter(start=3, commit=3)
     idle = GuardedRun(guarded_steps=(2,), windows=windows, observed_d2h=0)
     assert any("copy observer saw no D2H copy" in p for p in idle.problems()), idle.problems()
     assert GuardedRun(guarded_steps=(2,), windows=windows, observed_d2h=4).problems() == []
+
+
+# ------------------------------------------------- the guard inside a case's offload run
+# On CUDA the case runner arms the guard for step GUARDED_STEP of the offload run itself
+# (``harness.execute.guards_in_offload_run``). On CPU nothing can synchronise, so these tests
+# let it guard there and simulate what ATen's debug mode raises.
+
+
+class _SyncsWhenGuarded(OffloadContext):
+    """The reference, raising what ATen's sync debug mode raises from every offloaded commit
+    made inside an armed window (as ``broken.HostSync`` does on CUDA)."""
+
+    def _commit_forward(self, group: Any, release: tuple[torch.Tensor, ...]) -> None:
+        super()._commit_forward(group, release)
+        if syncguard._LIVE and group.iter_decision == "offloaded":
+            raise RuntimeError(f"called a {SYNC_MESSAGE}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _SyncingEnvironment(Environment):
+    def offloader(self, config: OffloadConfig) -> Offloader:
+        return _SyncsWhenGuarded(config, self.device)
+
+
+def _guarding_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(execute, "guards_in_offload_run", lambda case, env: True)
+
+
+def test_the_sync_check_reads_the_guarded_step_of_the_case_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _guarding_on_cpu(monkeypatch)
+    runs = CaseRuns(SEED, Environment(device=torch.device("cpu")))
+    res = runs.case_run()
+    assert isinstance(res.guarded, GuardedRun), res.guarded
+    assert res.guarded.guarded_steps == (GUARDED_STEP,) and not res.guarded.problems()
+    assert res.guarded.windows["start"] > 0 and res.guarded.windows["unpack"] > 0
+    assert runs.guarded() is res.guarded and "sync" not in runs.seconds  # no run of its own
+    assert torch.equal(res.offload.losses, res.plain.losses)  # the guard changes no loss
+
+
+def test_a_sync_in_the_guarded_step_is_the_sync_verdict_and_the_run_is_made_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _guarding_on_cpu(monkeypatch)
+    res = run_case(SEED, _SyncingEnvironment(device=torch.device("cpu")))
+    assert isinstance(res.guarded, HostSyncError), res.guarded
+    message = str(res.guarded)
+    assert message.startswith(f"step {GUARDED_STEP}, microbatch 0, group "), message
+    assert "): commit: called a synchronizing CUDA operation" in message, message
+    # The other checks read the offload run made again without the guard: every step trained.
+    assert res.offload.losses.shape == res.plain.losses.shape
+    assert torch.equal(res.offload.losses, res.plain.losses) and res.verdict.ok
+
+
+def test_the_guard_is_not_in_the_offload_run_on_cpu() -> None:
+    res = run_case(SEED, Environment(device=torch.device("cpu")))
+    assert res.guarded is None  # the sync check is n-a on CPU and makes no run
+
+
+def test_a_disarmed_guard_hands_out_the_backends_own_group() -> None:
+    """Only the armed step pays for the wrapper's windows and node hooks."""
+    guard = SyncGuard("cpu")
+    wrapped = GuardedOffloader(OffloadContext(CONFIG, "cpu"), guard)
+    wrapped.begin_microbatch(0)
+    x = torch.ones(4, requires_grad=True)
+    assert not isinstance(wrapped.group("core_attn", x, layer=0), GuardedGroup)
+    guard.armed = True
+    assert isinstance(wrapped.group("attn_proj", x, layer=0), GuardedGroup)
