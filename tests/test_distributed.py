@@ -269,11 +269,29 @@ def test_next_test_still_runs():
 """
 
 
+CASE_ROW_TEST = """
+import pytest
+
+pytestmark = pytest.mark.case_matrix
+
+
+def test_loss_equivalence(case, case_check):
+    case_check("equivalence", case)
+"""
+
+SEED = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
+
+
 @pytest.mark.torchrun
 def test_torchrun_two_ranks_collective_verdict(pytester: pytest.Pytester) -> None:
+    """On 2 gloo ranks: one rank's failure is every rank's verdict, the next test still runs,
+    rank 0 owns the console, each rank keeps a log; and a case row's report entry carries each
+    rank's transfer counts and bytes (``transfers_per_rank``), not rank 0's alone (one session
+    for both: a torchrun job costs two interpreters importing torch)."""
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_ranks=RANK_TESTS)
-    command = torchrun_pytest_command("-rA")
+    pytester.makepyfile(test_ranks=RANK_TESTS, test_case_row=CASE_ROW_TEST)
+    row = f"{SEED} and not zero3 and not evalfirst and not 6x3"
+    command = torchrun_pytest_command("-rA", "-k", f"test_ranks or {row}")
     command += ["--device", "cpu", "--report-dir", "reports", "--case-timeout", "120"]
     done = subprocess.run(
         command, cwd=pytester.path, env=_clean_env(), capture_output=True, text=True, timeout=300
@@ -282,14 +300,24 @@ def test_torchrun_two_ranks_collective_verdict(pytester: pytest.Pytester) -> Non
     console = done.stdout
     assert "FAILED test_ranks.py::test_rank_one_fails" in console, console
     assert "PASSED test_ranks.py::test_next_test_still_runs" in console, console
-    assert "1 failed, 1 passed" in console, console
-    assert console.count("1 failed, 1 passed") == 1, "only rank 0 writes to the console"
+    assert f"PASSED test_case_row.py::test_loss_equivalence[{SEED}]" in console, console
+    assert "1 failed, 2 passed" in console, console
+    assert console.count("1 failed, 2 passed") == 1, "only rank 0 writes to the console"
     logs = sorted(pytester.path.glob("reports/*/rank*.log"))
     assert [p.name for p in logs] == ["rank0.log", "rank1.log"], logs
     for log in logs:
         text = log.read_text()
         assert "rank 1: loss differs at step 3" in text, f"{log.name} lacks the verdict"
-        assert "1 failed, 1 passed" in text
+        assert "1 failed, 2 passed" in text
+    (summary,) = pytester.path.glob("reports/*/summary.json")
+    (case,) = json.loads(summary.read_text())["cases"]
+    assert case["name"] == SEED, case
+    ranks = case["transfers_per_rank"]
+    assert len(ranks) == 2 and ranks[0] == case["transfers"], ranks
+    for counts in ranks:  # each rank moves the same groups
+        assert counts["d2h_copies"] == counts["h2d_copies"] > 0, counts
+        assert counts["d2h_bytes"] == counts["h2d_bytes"] > 0, counts
+        assert set(counts["names_moved"]) == {"core_attn", "attn_proj"}, counts
 
 
 def _torchrun(folder: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
