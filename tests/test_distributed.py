@@ -418,16 +418,16 @@ def test_torchrun_rank_stuck_in_a_collective_ends_with_a_partial_summary(
     pytester: pytest.Pytester,
 ) -> None:
     """Rank 1 hangs before a collective that rank 0 already waits in: rank 0 cannot be
-    interrupted (it is inside gloo), so GRACE_S after the timeout it writes a partial
+    interrupted (it is inside gloo), so ``grace_s`` after the timeout it writes a partial
     summary.json (timed-out: the test, the ranks inside it) and the job ends, bounded."""
-    from harness.plugin.dist import GRACE_S
+    from harness.plugin.dist import grace_s
 
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_stuck=STUCK_IN_A_COLLECTIVE)
     done, seconds = _torchrun(pytester.path, "--case-timeout", "5")
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
-    assert seconds < 5 + GRACE_S + 45, seconds
+    assert seconds < 5 + grace_s(5) + 45, seconds
     test = "test_stuck.py::test_rank_one_hangs_before_a_collective"
     assert re.search(rf"rank 0 pid \d+ timed out in {re.escape(test)} .*\[0, 1\]", out), out
     assert re.search(rf"rank 0 pid \d+: {re.escape(test)} did not end within", out), out
@@ -482,3 +482,10 @@ def test_torchrun_killed_rank_leaves_labelled_stacks_and_a_partial_summary(
     logs = _rank_logs(pytester.path)
     assert "stopped by torchrun" in logs["rank0.log"], logs["rank0.log"]
     assert "test_passes_first PASSED" in logs["rank1.log"], logs["rank1.log"]
+
+
+def test_a_short_case_timeout_shortens_the_grace() -> None:
+    from harness.plugin.dist import GRACE_S, grace_s
+
+    assert grace_s(5) == 5 and grace_s(600) == GRACE_S == 10
+    assert grace_s(0) == GRACE_S  # no timeout: the grace of the backstop's arithmetic
