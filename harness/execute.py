@@ -535,11 +535,14 @@ def run_case(case: Case, env: Environment) -> CaseRun:
 
     guarded: GuardedRun | HostSyncError | None = None
     with _timed(seconds, "offload"):
+        made: _OffloadTraining | None = None
         try:
             made = offload_training(guards_in_offload_run(case, env))
         except HostSyncError as exc:
-            # The host-sync check's verdict; every other check reads a run without the guard.
-            guarded = exc
+            # The host-sync check's verdict, its message alone: the exception's traceback
+            # would keep the aborted run's model and tensors alive.
+            guarded = HostSyncError(str(exc))
+        if made is None:  # made again without the guard (outside the handler, which holds it)
             made = offload_training(False)
     offload, sink, seen, weights_known = made.result, made.sink, made.seen, made.weights_known
     if made.guard is not None:
