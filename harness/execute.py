@@ -546,12 +546,8 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             made = offload_training(False)
     offload, sink, seen, weights_known = made.result, made.sink, made.seen, made.weights_known
     if made.guard is not None:
-        guarded = GuardedRun(
-            guarded_steps=(GUARDED_STEP,),
-            windows=Counter(made.guard.windows),
-            logs=offload.logs,
-            losses=offload.losses,
-            observed_d2h=sum(c.direction == "d2h" for c in seen[GUARDED_STEP].copies),
+        guarded = GuardedRun.of(
+            made.guard, {GUARDED_STEP}, offload, seen[GUARDED_STEP : GUARDED_STEP + 1]
         )
     mode = "device" if cuda else "cpu"
     mine = [s.without(own[0]) for s in seen]  # every step's

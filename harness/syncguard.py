@@ -90,6 +90,8 @@ class Windows(Protocol):
 
     step: int | None
     """The runner's current step (labels only)."""
+    armed: bool
+    """Whether windows open now (set per step); a disarmed step opens none."""
 
     def open(self, kind: str, where: str) -> bool:
         """Open a window of ``kind`` (``commit``, ``pack``, ...) at ``where``; False if none
@@ -316,7 +318,7 @@ class GuardedOffloader(Wrapper):
             self.inner.begin_microbatch(microbatch)
 
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
-        if not getattr(self._guard, "armed", True):
+        if not self._guard.armed:
             # A disarmed step opens no window: the backend's own group, without the wrapper's
             # hooks on its autograd nodes and saved-tensor hooks (a guarded case's offload run
             # arms one of its steps; the others pay nothing).
@@ -368,6 +370,20 @@ class GuardedRun:
                 "guard proved nothing"
             )
         return out
+
+    @classmethod
+    def of(
+        cls, guard: SyncGuard, steps: set[int], result: Any, seen: Sequence[Observed]
+    ) -> GuardedRun:
+        """What ``guard`` saw over ``steps`` of a run that produced ``result`` (a
+        ``TrainResult``), ``seen`` being the copy observer's records of those steps."""
+        return cls(
+            guarded_steps=tuple(sorted(steps)),
+            windows=Counter(guard.windows),
+            logs=result.logs,
+            losses=result.losses,
+            observed_d2h=sum(c.direction == "d2h" for o in seen for c in o.copies),
+        )
 
 
 def guarded_steps_hooks(
@@ -429,10 +445,4 @@ def run_guarded(
         )
     finally:
         guard.reset()
-    return GuardedRun(
-        guarded_steps=tuple(sorted(guarded)),
-        windows=guard.windows,
-        logs=result.logs,
-        losses=result.losses,
-        observed_d2h=sum(c.direction == "d2h" for o in seen for c in o.copies),
-    )
+    return GuardedRun.of(guard, guarded, result, seen)
