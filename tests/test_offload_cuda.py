@@ -137,6 +137,7 @@ def test_the_case_runs_offload_run_is_the_sync_checks_guarded_run(backend: str) 
     env = Environment(device=torch.device("cuda", torch.cuda.current_device()), backend=backend)
     assert guards_in_offload_run(SEED, env)
     res = run_case(SEED, env)
+    assert not res.proof_problems and res.d2h_watched > 0  # the offload happened
     assert torch.equal(res.offload.losses, res.plain.losses) and res.verdict.ok
     if backend == "reference":
         assert isinstance(res.guarded, GuardedRun) and not res.guarded.problems(), res.guarded

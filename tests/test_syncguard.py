@@ -155,6 +155,7 @@ def test_the_sync_check_reads_the_guarded_step_of_the_case_run(
     assert res.guarded.guarded_steps == (GUARDED_STEP,) and not res.guarded.problems()
     assert res.guarded.windows["start"] > 0 and res.guarded.windows["unpack"] > 0
     assert runs.guarded() is res.guarded and "sync" not in runs.seconds  # no run of its own
+    assert not res.proof_problems and res.d2h_watched > 0  # the offload happened
     assert torch.equal(res.offload.losses, res.plain.losses)  # the guard changes no loss
 
 
@@ -171,6 +172,7 @@ def test_a_sync_in_the_guarded_step_is_the_sync_verdict_and_the_run_is_made_agai
     assert res.guarded.__traceback__ is None and res.guarded.__cause__ is None
     # The other checks read the offload run made again without the guard: every step trained.
     assert res.offload.losses.shape == res.plain.losses.shape
+    assert not res.proof_problems and res.d2h_watched > 0  # the offload happened
     assert torch.equal(res.offload.losses, res.plain.losses) and res.verdict.ok
 
 
