@@ -1,7 +1,8 @@
 """Semantics the reference offloader's hot path must keep (``harness.offload.reference``): a
 tensor saved twice in one group, a kept and an offloaded slot side by side, a plain tensor
-flagged as a parameter, nested groups' hooks, tuple outputs through the commit, the host
-buffer pool's FIFO reuse and the profiler ranges' three modes."""
+flagged as a parameter, nested groups' hooks, tuple outputs through the commit, repeated
+``mark_not_offloadable`` calls, the host buffer pool's FIFO reuse and the profiler ranges'
+three modes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 from harness.offload.config import OffloadConfig
 from harness.offload.pool import HostBufferPool
 from harness.offload.ranges import RangeKey, current_range, profiler_range, range_name, watching
-from harness.offload.reference import OffloadContext
+from harness.offload.reference import _MARK_CALLS_KEPT, OffloadContext
 from harness.testing.autograd import SaveAndHandBack
 from harness.testing.strategies import normal
 
@@ -123,6 +124,31 @@ def test_commit_passes_element_zero_of_a_tuple_or_list_output_through() -> None:
         assert torch.equal(x.grad, torch.full((2,), 2.0))
         off.end_iteration()
         assert group.commit(container()) == container()
+
+
+def test_a_repeated_mark_call_marks_nothing_anew_until_a_tensor_moves() -> None:
+    """The second of two identical calls is answered by the call cache (no per-tensor marking);
+    once one of its tensors sits elsewhere, the same call marks it at its new address."""
+    off = make_offloader()
+    first, second = (torch.nn.Parameter(normal((2 * MIN_NUMEL,), seed=s)) for s in (6, 7))
+    off.mark_not_offloadable(first, second)
+    marked = dict(off._marked)
+    off._marked.clear()  # a repeated call that marked anew would fill it again
+    off.mark_not_offloadable(first, second)
+    assert off._marked == {}, "the repeated call was not served from the call cache"
+    off._marked.update(marked)
+    moved = second.detach()
+    second.data = normal((2 * MIN_NUMEL,), seed=8)  # same object, new storage
+    off.mark_not_offloadable(first, second)
+    assert off._is_marked(second.detach()) and off._is_marked(first.detach())
+    assert not off._is_marked(moved)
+
+
+def test_the_mark_call_cache_stays_bounded() -> None:
+    off = make_offloader()
+    for seed in range(_MARK_CALLS_KEPT + 10):
+        off.mark_not_offloadable(torch.nn.Parameter(normal((2,), seed=seed)))
+    assert 0 < len(off._mark_calls) <= _MARK_CALLS_KEPT
 
 
 def test_pool_reuses_a_returned_buffer_first_in_first_out() -> None:

@@ -28,7 +28,8 @@ Stream discipline on CUDA (none of it blocks the host):
 A side stream "waits for the compute stream" through the group's own ``ready_event``, recorded
 on the compute stream just before (the ordering of ``wait_stream``, without a new event per
 call), and the copies are issued after a plain ``set_stream`` switch, restored after: the hot
-path makes as few Python-level calls per group as it can.
+path makes as few Python-level calls per group as it can, and makes its stream and event calls
+straight to torch's C++ bindings (``_CudaCalls``).
 On CPU the same bookkeeping runs with synchronous copies into separate host buffers.
 
 Variants of the reference (``harness.offload.broken``: the reference with one bug each) subclass
@@ -62,6 +63,10 @@ from harness.offload.protocol import (
 )
 from harness.offload.ranges import Direction, profiler_range
 from harness.predict import MEGATRON_MAIN
+
+_MARK_CALLS_KEPT = 1024
+"""Distinct ``mark_not_offloadable`` calls remembered (then forgotten at once: a model marking
+fresh tensors on every call cannot grow the cache without bound)."""
 
 # A non-contiguous view covering at least this share of its storage is copied as the whole flat
 # storage (one DMA, layout restored on reload); a sparser view is gathered to contiguous.
@@ -138,12 +143,14 @@ class GroupState:
         self.ready_event = torch.cuda.Event() if cuda else None  # compute stream, for a side one
         self.d2h_event = torch.cuda.Event() if cuda else None
         self.reload_event = torch.cuda.Event() if cuda else None
+        self.pack_hook: Any = None  # the saved-tensor pack hook, made at the first enter
         self._reset()
 
     def _reset(self) -> None:
         self.entries: dict[int, torch.Tensor | HostCopy] = {}
         self.slots = 0  # slots handed out (entries shrink as backward pops them)
-        self.on_device: set[int] = set()  # slots still holding the saved tensor itself
+        # slots still holding the saved tensor itself -> its storage address at pack time
+        self.on_device: dict[int, int] = {}
         self.status = OPEN
         self.iter_decision = "open"
         self.waited = False
@@ -196,12 +203,16 @@ class _Handle:
     def __init__(self, ctx: OffloadContext, group: GroupState, x: torch.Tensor) -> None:
         self._ctx = ctx
         self._group = group
-        self.input = _GroupStart.apply(x, ctx, group)
+        self.input = _start_apply(x, ctx, group)
 
     def __enter__(self) -> _Handle:
-        # What ``torch.autograd.graph.saved_tensors_hooks`` does, without its object per group.
+        # What ``torch.autograd.graph.saved_tensors_hooks`` does, without its object per group;
+        # the pack hook is made once per group occurrence and reused every iteration.
         group, ctx = self._group, self._ctx
-        _push_saved_tensors_hooks(lambda t: ctx._pack(group, t), ctx._unpack)
+        pack = group.pack_hook
+        if pack is None:
+            pack = group.pack_hook = lambda t: ctx._pack(group, t)
+        _push_saved_tensors_hooks(pack, ctx._unpack)
         return self
 
     def __exit__(
@@ -213,7 +224,7 @@ class _Handle:
         _pop_saved_tensors_hooks()
 
     def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
-        return apply_to_first(output, _GroupCommit.apply, self._ctx, self._group, tuple(release))
+        return apply_to_first(output, _commit_apply, self._ctx, self._group, tuple(release))
 
 
 class _GroupStart(torch.autograd.Function):
@@ -251,6 +262,24 @@ class _GroupCommit(torch.autograd.Function):
         return grad, None, None, None
 
 
+def _fast_apply(function: type[torch.autograd.Function]) -> Any:
+    """``function.apply`` without ``torch.autograd.Function.apply``'s Python layer (it rebinds
+    default arguments and unwraps dead functorch wrappers: about 5 us a call on the H200 box's
+    host, two calls per group), the full path kept for functorch transforms."""
+    direct = super(torch.autograd.Function, function).apply  # the C++ apply
+    full = function.apply
+    active = torch._C._are_functorch_transforms_active
+
+    def apply(*args: Any) -> Any:
+        return full(*args) if active() else direct(*args)
+
+    return apply
+
+
+_start_apply = _fast_apply(_GroupStart)
+_commit_apply = _fast_apply(_GroupCommit)
+
+
 class OffloadContext:
     """Backend ``reference``: one training run's activation offloader."""
 
@@ -278,6 +307,11 @@ class OffloadContext:
             raise ValueError("race-provocation delays need a CUDA device")
         self._d2h = torch.cuda.Stream(self.device) if self.cuda else None
         self._h2d = torch.cuda.Stream(self.device) if self.cuda else None
+        self._cu = _CudaCalls() if self.cuda else None  # type: ignore[assignment]
+        # On CPU ``to`` would hand back the host buffer itself, which the pool reuses.
+        self._fused_reload = self.cuda and type(self)._h2d_copy is OffloadContext._h2d_copy
+        self._compute_key: tuple[int, int, int] | None = None  # see _compute_stream
+        self._compute: torch.cuda.Stream | None = None
         self.pool = HostBufferPool(pin_memory=self.cuda)
         self.enabled = True
         self.warmup = True
@@ -290,6 +324,9 @@ class OffloadContext:
         self._pending_d2h: dict[str, deque[torch.cuda.Event | None]] = {}
         self._marked: dict[tuple[str, int], torch.Tensor] = {}
         self._marked_objects: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (tensor, address)
+        # mark_not_offloadable's calls: ids -> (_marks_changed then, the tensors, shard addresses)
+        self._mark_calls: dict[tuple[int, ...], tuple[int, tuple[Any, ...], list[int]]] = {}
+        self._marks_changed = 0
         self._logs: list[IterationLog] = []
 
     # ----------------------------------------------------------------- protocol: runner side
@@ -347,7 +384,20 @@ class OffloadContext:
         return group
 
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
-        for tensor in map(local_tensor, tensors):  # a DTensor by its shard (no storage of its own)
+        # A call that repeats an earlier one (models mark each layer's parameters on every
+        # forward) is one lookup and a data_ptr per tensor: the same objects (the cache keeps
+        # them alive, so their ids are theirs), each where it was, no mark dropped or replaced
+        # since (``_marks_changed``).
+        call = tuple(map(id, tensors))
+        seen = self._mark_calls.get(call)
+        if (
+            seen is not None
+            and seen[0] == self._marks_changed
+            and seen[2] == [t.data_ptr() for t in seen[1]]
+        ):
+            return
+        shards = tuple(map(local_tensor, tensors))  # a DTensor by its shard (no own storage)
+        for tensor in shards:
             # Models mark every parameter on every forward: one already marked at its current
             # address needs nothing more. The fast path holds only while the tensor's mark is
             # the one at its address: a stale mark dropped by _is_marked, or another tensor
@@ -366,7 +416,11 @@ class OffloadContext:
             replaced = self._marked.get(key)
             if replaced is not None and replaced is not tensor:
                 self._marked_objects.pop(id(replaced), None)
+                self._marks_changed += 1
             self._marked[key] = tensor
+        if len(self._mark_calls) >= _MARK_CALLS_KEPT:
+            self._mark_calls.clear()
+        self._mark_calls[call] = (self._marks_changed, tensors, [t.data_ptr() for t in shards])
 
     def end_iteration(self) -> None:
         active = [c for c in self._chunks.values() if c.active]
@@ -419,6 +473,7 @@ class OffloadContext:
         self._chunks.clear()
         self._marked.clear()
         self._marked_objects.clear()
+        self._mark_calls.clear()
 
     # ------------------------------------------------------------------------- forward side
     def _expect_group(self, chunk: ChunkState, name: str, layer: int) -> GroupState | None:
@@ -439,20 +494,23 @@ class OffloadContext:
         if not self._trackable(tensor):
             return tensor
         slot = group.slots
-        group.slots += 1
+        group.slots = slot + 1
         group.entries[slot] = tensor
-        group.on_device.add(slot)
-        self._hold(tensor, +1)
+        address = tensor.untyped_storage().data_ptr()
+        group.on_device[slot] = address
+        refs = self._device_refs
+        refs[address] = refs.get(address, 0) + 1
         return Tag(group, slot)
 
-    def _hold(self, tensor: torch.Tensor, delta: int) -> None:
-        """Count saved tensors still on the device per storage (forced release checks it)."""
-        address = tensor.untyped_storage().data_ptr()
-        count = self._device_refs.get(address, 0) + delta
-        if count:
-            self._device_refs[address] = count
+    def _unhold(self, address: int) -> None:
+        """One saved tensor of storage ``address`` left the device (offloaded or handed back):
+        ``_device_refs`` counts those still there per storage, which forced release checks."""
+        refs = self._device_refs
+        count = refs.get(address, 0) - 1
+        if count > 0:
+            refs[address] = count
         else:
-            self._device_refs.pop(address, None)
+            refs.pop(address, None)
 
     def _trackable(self, tensor: torch.Tensor) -> bool:
         if tensor.device != self.device:
@@ -486,6 +544,7 @@ class OffloadContext:
             return True
         del self._marked[key]
         self._marked_objects.pop(id(marked), None)  # its next mark_not_offloadable marks anew
+        self._marks_changed += 1
         return False
 
     def _commit_forward(self, group: GroupState, release: tuple[torch.Tensor, ...]) -> None:
@@ -527,10 +586,9 @@ class OffloadContext:
                 for slot, tensor in list(entries.items()):
                     if isinstance(tensor, torch.Tensor) and self._eligible(tensor):
                         entries[slot] = self._copy_out(group, tensor)
-                        on_device.discard(slot)
-                        self._hold(tensor, -1)
+                        self._unhold(on_device.pop(slot))
                 if self.cuda:
-                    group.d2h_event.record(self._d2h)
+                    self._cu.record(group.d2h_event, self._d2h)
         finally:
             self._switch_back(compute)
         group.status = OFFLOADED
@@ -595,7 +653,7 @@ class OffloadContext:
         while len(pending) > cap:
             event = pending.popleft()
             if event is not None:
-                torch.cuda.current_stream(self.device).wait_event(event)
+                self._cu.wait(event, self._compute_stream())
 
     # ------------------------------------------------------------------------ backward side
     def _backward_begins(self, chunk: ChunkState) -> None:
@@ -638,15 +696,15 @@ class OffloadContext:
                 "each saved tensor back once (retain_graph/double backward is not supported)"
             ) from None
         assert isinstance(value, torch.Tensor), "reloaded group still holds a host copy"
-        if packed.slot in group.on_device:  # the original tensor, never offloaded
-            group.on_device.discard(packed.slot)
-            self._hold(value, -1)
+        address = group.on_device.pop(packed.slot, None)
+        if address is not None:  # the original tensor, never offloaded
+            self._unhold(address)
         return value
 
     def _wait_reload(self, group: GroupState) -> None:
         if group.status == RELOADING and not group.waited:
             if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(group.reload_event)
+                self._cu.wait(group.reload_event, self._compute_stream())
             group.waited = True
 
     def _reload(self, group: GroupState, *, inline: bool = False) -> None:
@@ -669,7 +727,7 @@ class OffloadContext:
                         if entry.pooled:
                             returned[id(entry.buffer)] = entry.buffer
                 if self.cuda:
-                    group.reload_event.record(self._h2d)
+                    self._cu.record(group.reload_event, self._h2d)
         finally:
             self._switch_back(compute)
         for buffer in returned.values():
@@ -680,7 +738,7 @@ class OffloadContext:
         """Order the group's H2D copies after the D2H that filled its host buffers (both
         paths: Megatron #7398's inline path has no such edge)."""
         if self.cuda:
-            self._h2d.wait_event(group.d2h_event)
+            self._cu.wait(group.d2h_event, self._h2d)
 
     def _return_buffer(self, group: GroupState, buffer: torch.Tensor) -> None:
         """Give a pooled buffer back with the event of the H2D that still reads it."""
@@ -688,18 +746,29 @@ class OffloadContext:
 
     def _copy_in(self, group: GroupState, entry: HostCopy) -> torch.Tensor:
         buffer = entry.buffer
-        # Filled under deterministic mode (a device memset on the H2D stream, not host time): a
-        # read that races ahead of this copy then sees NaN, not whatever the block held before,
-        # which may be the activation's own old values (its block freed after the D2H).
-        restored = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device)
-        self._h2d_copy(group, restored, buffer)
+        # The new device tensor is filled under deterministic mode (a device memset on the H2D
+        # stream, not host time): a read that races ahead of this copy then sees NaN, not
+        # whatever the block held before, which may be the activation's own old values (its
+        # block freed after the D2H).
+        if self._fused_reload:
+            # Allocation and copy in one call (``to`` allocates through the same factory, so the
+            # fill above holds): 24 fewer torch calls per hybrid-small step.
+            restored = buffer.to(self.device, non_blocking=True)
+            counts = group.counts
+            counts["h2d_copies"] += 1
+            counts["h2d_bytes"] += buffer.nbytes
+        else:
+            restored = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device)
+            self._h2d_copy(group, restored, buffer)
         if entry.view is not None:
             size, stride, offset = entry.view
             restored = restored.as_strided(size, stride, offset)
         return restored
 
     def _h2d_copy(self, group: GroupState, restored: torch.Tensor, buffer: torch.Tensor) -> None:
-        """One H2D copy from ``buffer``, counted in the group's log."""
+        """One H2D copy from ``buffer``, counted in the group's log. On CUDA the reference
+        itself allocates and copies in one call instead (``_copy_in``); a variant that overrides
+        this method gets it called for every reloaded buffer, on either device."""
         restored.copy_(buffer, non_blocking=self.cuda)
         counts = group.counts
         counts["h2d_copies"] += 1
@@ -716,18 +785,31 @@ class OffloadContext:
         so the event is free again when the call returns."""
         if stream is None:
             return None
-        compute = torch.cuda.current_stream(self.device)
-        group.ready_event.record(compute)
-        stream.wait_event(group.ready_event)
-        device = torch.cuda.current_device()
-        torch.cuda.set_stream(stream)
+        cu, compute, ready = self._cu, self._compute_stream(), group.ready_event
+        cu.record(ready, compute)
+        cu.wait(ready, stream)
+        device = cu.current_device()
+        cu.set_stream(stream)
         return compute, device
+
+    def _compute_stream(self) -> torch.cuda.Stream:
+        """The device's current stream, what ``torch.cuda.current_stream(self.device)``
+        returns, without its Python layer (8 us a call on the H200 box's host against 0.2 us for
+        the raw query, three or more calls per group): the Stream object is made again only
+        when the current stream has changed since the last call."""
+        key = self._cu.current_stream(self.device.index)
+        if key != self._compute_key:
+            self._compute_key = key
+            self._compute = torch.cuda.Stream(
+                stream_id=key[0], device_index=key[1], device_type=key[2]
+            )
+        return self._compute  # type: ignore[return-value]
 
     def _switch_back(self, previous: tuple[torch.cuda.Stream, int] | None) -> None:
         if previous is None:
             return
         compute, device = previous
-        torch.cuda.set_stream(compute)
+        self._cu.set_stream(compute)
         if device != self.device.index:
             torch.cuda.set_device(device)
 
@@ -755,6 +837,36 @@ class OffloadContext:
             pp_rank=self.config.pp_rank,
             delta_bytes=self.config.delta_offload_bytes_across_pp_ranks,
             fraction=self.config.activation_offload_fraction,
+        )
+
+
+class _CudaCalls:
+    """The hot path's stream and event calls, straight to torch's C++ bindings: the Python
+    wrappers (``torch.cuda.current_stream``, ``current_device``, ``set_stream``,
+    ``Event.record``, ``Stream.wait_event``) took 3-8 us each inside a training step on the H200
+    box's host, the bindings 0.2-1.6 us, and a group makes about a dozen such calls. Each does
+    what its wrapper does once CUDA is initialised (the offloader's streams initialise it).
+    Resolved per offloader: a CPU-only build of torch has none of these bindings."""
+
+    __slots__ = ("current_device", "current_stream", "record", "wait")
+
+    def __init__(self) -> None:
+        bindings = torch._C
+        self.record = bindings._CudaEventBase.record
+        """``record(event, stream)``: what ``event.record(stream)`` does."""
+        self.wait = bindings._CudaEventBase.wait
+        """``wait(event, stream)``: ``stream`` waits for ``event``, as ``stream.wait_event``."""
+        self.current_stream = bindings._cuda_getCurrentStream
+        """``current_stream(index)``: (stream id, device index, device type) of the current one."""
+        self.current_device = bindings._cuda_getDevice
+
+    @staticmethod
+    def set_stream(stream: torch.cuda.Stream) -> None:
+        """What ``torch.cuda.set_stream(stream)`` does (its device becomes current too)."""
+        torch._C._cuda_setStream(
+            stream_id=stream.stream_id,
+            device_index=stream.device_index,
+            device_type=stream.device_type,
         )
 
 
