@@ -80,6 +80,30 @@ def test_host_buffers_are_pinned_and_copies_are_exact() -> None:
     assert off.iteration_logs()[-1].d2h_bytes == 3 * (1 << 20) * 4  # 3 of 4 (margin keeps one)
 
 
+def test_a_side_compute_stream_is_the_one_the_copies_order_against() -> None:
+    """Training under ``torch.cuda.stream(side)``: the offloader's cached compute stream follows
+    the current one (its side streams wait for ``side``, not the default stream), and a delayed
+    ``side`` stream still gets exact gradients (a copy ordered against the idle default stream
+    would read the inputs before ``side`` wrote them)."""
+    off = OffloadContext(
+        OffloadConfig(offload_modules=("core_attn",), min_offloaded_tensor_size=1), "cuda"
+    )
+    side = torch.cuda.Stream()
+    assert off._compute_stream() == torch.cuda.current_stream()
+    with torch.cuda.stream(side):
+        assert off._compute_stream() == side
+        for _ in range(3):
+            inputs = [torch.empty(1 << 20, device="cuda") for _ in range(4)]
+            torch.cuda._sleep(LONG)  # on side: the fills below land ~10 ms late
+            for value, x in enumerate(inputs):
+                x.fill_(float(value + 1)).requires_grad_(True)
+            grads = _toy_iteration(off, inputs)
+            for value, g in enumerate(grads):
+                assert torch.equal(g, torch.full_like(g, float(value + 1)))
+    assert off._compute_stream() == torch.cuda.current_stream() != side
+    assert off.iteration_logs()[-1].d2h_bytes == 3 * (1 << 20) * 4
+
+
 def test_no_host_sync_in_steady_iterations() -> None:
     off = OffloadContext(
         OffloadConfig(
