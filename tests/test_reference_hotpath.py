@@ -144,6 +144,19 @@ def test_a_repeated_mark_call_marks_nothing_anew_until_a_tensor_moves() -> None:
     assert not off._is_marked(moved)
 
 
+def test_a_mark_call_of_a_sharded_tensor_is_not_cached() -> None:
+    """A DTensor's shard (``_local_tensor``) may be replaced under the same object: such a call
+    is marked anew every time, so a new shard is marked at its own address."""
+    off = make_offloader()
+    sharded = torch.zeros(1)  # stands in for a DTensor: the offloader reads _local_tensor
+    sharded._local_tensor = normal((2 * MIN_NUMEL,), seed=9)  # type: ignore[attr-defined]
+    off.mark_not_offloadable(sharded)
+    assert off._mark_calls == {}
+    sharded._local_tensor = normal((2 * MIN_NUMEL,), seed=10)  # type: ignore[attr-defined]
+    off.mark_not_offloadable(sharded)
+    assert off._is_marked(sharded._local_tensor.detach())  # type: ignore[attr-defined]
+
+
 def test_the_mark_call_cache_stays_bounded() -> None:
     off = make_offloader()
     for seed in range(_MARK_CALLS_KEPT + 10):
