@@ -192,6 +192,7 @@ def _only_summary(report_dir: Path) -> dict[str, Any]:
     return json.loads(summaries[0].read_text())
 
 
+@pytest.mark.heavy
 @pytest.mark.usefixtures("plots_on")
 def test_run_passes_and_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main([*RUN, "--report-dir", str(tmp_path)])
@@ -313,6 +314,7 @@ def _collected_case_ids(*options: str) -> list[str]:
     return [line[len(prefix) : -1] for line in done.stdout.splitlines() if line.startswith(prefix)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("matrix", ["default", "full"])
 def test_matrix_option_parametrizes_case_tests(matrix: str) -> None:
     ids = _collected_case_ids("--matrix", matrix)

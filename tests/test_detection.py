@@ -217,6 +217,7 @@ def _names_where(text: str) -> list[str]:
     return [what for what, pattern in NAMED if not pattern.search(text)]
 
 
+@pytest.mark.heavy
 @pytest.mark.usefixtures("in_process")
 def test_correct_offloader_passes_every_catcher(settings: Settings) -> None:
     env = _environment(settings)
@@ -296,6 +297,7 @@ def _delays(delays: RaceDelays) -> tuple[str, ...]:
     return ("--race-delays", f"d2h={delays.d2h},h2d={delays.h2d},compute={delays.compute}")
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.usefixtures("threads_share")
 def test_pytest_fails_a_broken_offloader(pytester: pytest.Pytester, settings: Settings) -> None:

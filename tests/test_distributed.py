@@ -217,6 +217,7 @@ def _pytest(folder: Path, *args: str, timeout: float = 240) -> subprocess.Comple
     )
 
 
+@pytest.mark.heavy
 def test_timeout_dumps_stacks_fails_the_test_and_the_session_goes_on(
     pytester: pytest.Pytester,
 ) -> None:
@@ -235,6 +236,7 @@ def test_timeout_dumps_stacks_fails_the_test_and_the_session_goes_on(
     assert "1 failed, 1 passed" in done.stdout, "the session goes on after the timeout"
 
 
+@pytest.mark.heavy
 def test_xdist_with_torchrun_world_is_refused(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_sleeper="def test_nothing():\n    pass\n")

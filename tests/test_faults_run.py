@@ -77,6 +77,7 @@ def _summary(root: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+@pytest.mark.heavy
 def test_a_hang_is_a_timed_out_verdict_with_every_stack(faulty: Path) -> None:
     done, seconds = _run(
         faulty, *SMALL, "--backend", "faulty:Hang", "--case-timeout", "5", "--report-dir", "r"
@@ -92,6 +93,7 @@ def test_a_hang_is_a_timed_out_verdict_with_every_stack(faulty: Path) -> None:
     assert seconds < 5 + 60, seconds  # the timeout, the spawn and the baselines: bounded
 
 
+@pytest.mark.heavy
 def test_an_error_is_the_cases_verdict_and_the_run_goes_on(faulty: Path) -> None:
     done, _ = _run(faulty, *SMALL, "--backend", "faulty:Boom", "--report-dir", "r")
     assert done.returncode == 1
@@ -101,6 +103,7 @@ def test_an_error_is_the_cases_verdict_and_the_run_goes_on(faulty: Path) -> None
     assert any("RuntimeError: boom in end_iteration" in p for p in case["problems"])
 
 
+@pytest.mark.heavy
 def test_a_dying_worker_is_retried_once_then_an_error(faulty: Path) -> None:
     done, _ = _run(faulty, *SMALL, "--backend", "faulty:Die", "--report-dir", "r")
     assert done.returncode == 1, done.stdout + done.stderr
@@ -126,6 +129,7 @@ def test_an_exception_outside_the_checks_is_an_error_record(
 RUN_FULL = (sys.executable, "-m", "harness", "run", "--device", "cpu", "--matrix", "full")
 
 
+@pytest.mark.heavy
 def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> None:
     process = subprocess.Popen(
         # The full matrix: cases still to run whenever the signal comes (the default's 21 can

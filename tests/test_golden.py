@@ -335,6 +335,7 @@ def _run_cli(tmp_path: Path, name: str, env: dict[str, str]) -> dict:
     return case
 
 
+@pytest.mark.heavy
 def test_forced_lower_isa_has_no_golden_and_passes(tmp_path: Path) -> None:
     """One bf16 case under a forced lower CPU ISA (``ATEN_CPU_CAPABILITY`` and
     ``ONEDNN_MAX_CPU_ISA``, one level below this machine's): its bf16 trace really changes, its

@@ -58,6 +58,7 @@ def _summary_checks(folder: Path) -> dict[str, str]:
     return statuses
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("backend", ["broken.noop", "reference"])
 def test_pytest_and_run_decide_every_check_alike(
     backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -96,6 +96,7 @@ def test_repository_config_runs_without_xdist(pytester: pytest.Pytester) -> None
     assert "1 passed" in done.stdout
 
 
+@pytest.mark.heavy
 def test_a_case_row_under_n_reaches_its_report_entry(tmp_path: Path) -> None:
     """Under ``-n`` each case test's node id ends in ``@<xdist group>``; the report must still
     file the test under its case (it did not: every case of a ``-n`` session had no tests and
