@@ -405,7 +405,7 @@ def test_passes_first():
 
 
 def test_rank_one_hangs_before_a_collective():
-    if distributed.rank() == 1:
+    if distributed.rank() == SLEEPER:
         time.sleep(600)
     distributed.all_gather_object(distributed.rank())
 
@@ -416,29 +416,44 @@ def test_never_reached():
 
 
 @pytest.mark.torchrun
+@pytest.mark.parametrize("stuck", [0, 1], ids=["rank0-stuck", "rank1-stuck"])
 def test_torchrun_rank_stuck_in_a_collective_ends_with_a_partial_summary(
-    pytester: pytest.Pytester,
+    pytester: pytest.Pytester, stuck: int
 ) -> None:
-    """Rank 1 hangs before a collective that rank 0 already waits in: rank 0 cannot be
-    interrupted (it is inside gloo), so ``grace_s`` after the timeout it writes a partial
-    summary.json (timed-out: the test, the ranks inside it) and the job ends, bounded."""
+    """One rank sleeps in test code before a collective that the other (``stuck``) already
+    waits in. The sleeper is interrupted and unwinds; the stuck rank cannot be (it is inside
+    gloo), so ``grace_s`` after the timeout it ends the job - bounded, with a partial
+    summary.json that says ``timed-out`` whichever rank was stuck: written by rank 0's watchdog
+    when rank 0 is stuck, by rank 0's SIGTERM thread when torchrun stops it after rank 1 ended.
+    The unwound rank leaves the ending to the stuck one (both ending it at once once made the
+    summary say ``aborted``)."""
     from harness.plugin.dist import grace_s
 
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_stuck=STUCK_IN_A_COLLECTIVE)
+    sleeper = 1 - stuck
+    pytester.makepyfile(test_stuck=f"SLEEPER = {sleeper}\n" + STUCK_IN_A_COLLECTIVE)
     done, seconds = _torchrun(pytester.path, "--case-timeout", "5")
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
     assert seconds < 5 + grace_s(5) + 45, seconds
     test = "test_stuck.py::test_rank_one_hangs_before_a_collective"
     assert re.search(rf"rank 0 pid \d+ timed out in {re.escape(test)} .*\[0, 1\]", out), out
-    assert re.search(rf"rank 0 pid \d+: {re.escape(test)} did not end within", out), out
-    summary = _summary(pytester.path)
-    assert summary["status"] == "timed-out", summary
-    assert summary["timed_out"]["test"] == test and summary["timed_out"]["missing"] == [0, 1]
-    assert summary["tests"]["passed"] == 1, "what ran before is in the partial summary"
     logs = _rank_logs(pytester.path)
     assert set(logs) == {"rank0.log", "rank1.log"}, logs
+    ended = rf"rank {stuck} pid \d+: {re.escape(test)} did not end within"
+    assert re.search(ended, logs[f"rank{stuck}.log"]), logs[f"rank{stuck}.log"]
+    assert not re.search(r"did not end within", logs[f"rank{sleeper}.log"]), (
+        "the unwound rank left the ending to the stuck one"
+    )
+    summary = _summary(pytester.path)
+    assert summary["status"] == "timed-out", summary
+    why = summary["timed_out"]
+    assert why["test"] == test and stuck in why["missing"], why
+    if stuck == 0:
+        assert why["missing"] == [0, 1], why
+    else:  # rank 0 had unwound: torchrun stopped it after rank 1 ended the job
+        assert why["signal"] == "SIGTERM" and why["missing"] == [1], why
+    assert summary["tests"]["passed"] == 1, "what ran before is in the partial summary"
     assert "test_passes_first PASSED" in logs["rank1.log"], logs["rank1.log"]
 
 
