@@ -24,7 +24,7 @@ from typing import Any
 
 from harness.impls import IMPLS
 from harness.offload.config import OffloadConfig
-from harness.spec import PRESETS, SHARDINGS, ModelSpec, RunSpec, preset
+from harness.spec import INTERLEAVED_CHUNKS, PRESETS, SHARDINGS, ModelSpec, RunSpec, preset
 
 _PRESETS = {(p.family, p.size): name for name, p in PRESETS.items()}
 """(family, size) -> preset name (``harness.spec.PRESETS``)."""
@@ -131,13 +131,23 @@ class Case:
         )
         if refused is not None:
             raise ValueError(refused)
+        if self.schedule == "interleaved" and self.sharding != "none":
+            raise ValueError(
+                f"the interleaved schedule runs unsharded models only, not sharding "
+                f"{self.sharding!r} (FSDP2's root would not gather around a chunk's forward)"
+            )
         if self.memory_slack and not self.memory_slack_reason:
             raise ValueError(f"case {self.name}: a memory slack needs a memory_slack_reason")
         if self.tolerance and not self.tolerance_reason:
             raise ValueError(f"case {self.name}: a non-zero tolerance needs a tolerance_reason")
         self.offload_config()  # validates names and rules
         self.run_spec()
-        self.model_spec("tiny")  # the megatron-core knobs against the impl
+        spec = self.model_spec("tiny")  # the megatron-core knobs against the impl
+        if self.schedule == "interleaved" and len(spec.layers) < INTERLEAVED_CHUNKS:
+            raise ValueError(
+                f"the interleaved schedule splits the model into {INTERLEAVED_CHUNKS} chunks of "
+                f"at least one layer; pattern {spec.pattern!r} has {len(spec.layers)}"
+            )
 
     @property
     def pattern(self) -> str:
@@ -309,6 +319,38 @@ DETECTION_ROWS: tuple[Case, ...] = (
 buffer reused while its reload is pending; a no-grad pass taken as the warmup)."""
 
 
+PIPELINE_ROWS: tuple[Case, ...] = (
+    Case(
+        family="hybrid",
+        offload=("core_attn", "attn_proj"),
+        schedule="interleaved",
+        microbatches=4,
+        precision="bf16",
+        description="the seed's model and groups under the interleaved pipeline schedule (rank 0 "
+        "of 2, 2 model chunks): chunks run backward in another order than forward",
+    ),
+    Case(
+        family="hybrid-moe",
+        offload=("expert_fc1", "moe_act"),
+        schedule="interleaved",
+        microbatches=4,
+        max_inflight=None,
+        description="MoE experts under the interleaved pipeline schedule",
+    ),
+    Case(
+        family="hybrid",
+        offload=("attn_norm", "qkv_linear", "core_attn", "attn_proj"),
+        schedule="interleaved",
+        microbatches=6,
+        precision="bf16",
+        max_inflight=0,
+        description="every attention group under the interleaved schedule, 3 microbatch groups",
+    ),
+)
+"""Rows of the ``interleaved`` schedule (``harness.train.interleaved_order``): the default
+matrix has the first, the full one all."""
+
+
 _MCORE_SLACK = dict(
     memory_slack=64,
     memory_slack_reason=(
@@ -460,14 +502,15 @@ def full_matrix() -> list[Case]:
                         max_inflight=inflight,
                     )
                 )
-    return rows + list(DETECTION_ROWS) + zero3_rows(full=True)
+    return rows + list(DETECTION_ROWS) + list(PIPELINE_ROWS) + zero3_rows(full=True)
 
 
 def default_matrix() -> list[Case]:
     """The seed case, then one row per (family, offload set) cycling the other axes, then the
-    detection rows, then the seed's and one MoE row under ZeRO-3."""
+    detection rows, the seed's row under the interleaved schedule, then the seed's and one MoE
+    row under ZeRO-3."""
     rows = [SEED_CASE, *(r for r in _cycled_rows() if r.name != SEED_CASE.name)]
-    return rows + list(DETECTION_ROWS) + zero3_rows(full=False)
+    return rows + list(DETECTION_ROWS) + list(PIPELINE_ROWS[:1]) + zero3_rows(full=False)
 
 
 MATRICES = {"default": default_matrix, "full": full_matrix}

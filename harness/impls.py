@@ -88,7 +88,7 @@ _IMPLS = (
         family="harness",
         description="ours: harness.models in plain PyTorch, trained by harness.train",
         trainer="harness.train:train_harness",
-        schedules=("sequential", "gpipe", "1f1b"),
+        schedules=("sequential", "gpipe", "1f1b", "interleaved"),
         shardings=("none", "zero3"),
         eval_first=True,
     ),

@@ -272,9 +272,18 @@ class ModelSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-Schedule = Literal["sequential", "gpipe", "1f1b"]
+Schedule = Literal["sequential", "gpipe", "1f1b", "interleaved"]
 Precision = Literal["fp32", "bf16"]
-SCHEDULES: tuple[str, ...] = ("sequential", "gpipe", "1f1b")
+SCHEDULES: tuple[str, ...] = ("sequential", "gpipe", "1f1b", "interleaved")
+INTERLEAVED_CHUNKS = 2
+"""Model chunks (virtual pipeline stages) of the ``interleaved`` schedule: the model's layers
+split into this many contiguous parts, each a pass of its own (``harness.train``)."""
+INTERLEAVED_RANKS = 2
+"""Pipeline ranks whose interleaved order the ``interleaved`` schedule runs (its microbatch
+group size; microbatches must be a multiple of it)."""
+INTERLEAVED_RANK = 0
+"""The pipeline rank whose order it is: rank 0 has the longest warmup (the most chunks in
+flight at once)."""
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 SHARDINGS: tuple[str, ...] = ("none", "zero3", "mfsdp", "mfsdp2")
 """How the runner shards the model: ``none``; ``zero3``, flat ZeRO-3 through PyTorch's FSDP2
@@ -326,7 +335,9 @@ class RunSpec:
     """Microbatches per step (gradient accumulation)."""
     schedule: Schedule = "sequential"
     """Order of forwards and backwards inside a step: ``sequential`` (F0 B0 F1 B1 ...),
-    ``gpipe`` (all forwards, then all backwards), ``1f1b`` (F0, then F(i) B(i-1), then last B)."""
+    ``gpipe`` (all forwards, then all backwards), ``1f1b`` (F0, then F(i) B(i-1), then last B),
+    ``interleaved`` (Megatron-Core's interleaved 1F1B as pipeline rank 0 of 2 runs it, with the
+    model in 2 chunks: ``harness.train.interleaved_order``; microbatches a multiple of 2)."""
     precision: Precision = "fp32"
     """``fp32``; or ``bf16``: BF16 compute and gradients, FP32 main weights in the optimizer."""
     grad_clip: float | None = 1.0
@@ -349,6 +360,11 @@ class RunSpec:
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"RunSpec.schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}"
+            )
+        if self.schedule == "interleaved" and self.microbatches % INTERLEAVED_RANKS:
+            raise ValueError(
+                f"RunSpec.microbatches must be a multiple of {INTERLEAVED_RANKS} under the "
+                f"interleaved schedule (its microbatch groups); got {self.microbatches}"
             )
         if self.precision not in PRECISIONS:
             raise ValueError(

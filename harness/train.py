@@ -32,9 +32,17 @@ import torch
 from harness import distributed
 from harness.impls import IMPLS
 from harness.models.hybrid import HybridModel, loss_fn, make_batches, seeded_model
-from harness.offload.protocol import Offloader
+from harness.offload.protocol import Offloader, model_chunk_of
 from harness.runs import RunHooks, TrainResult
-from harness.spec import SHARDINGS, ModelSpec, RunSpec
+from harness.spec import (
+    INTERLEAVED_CHUNKS,
+    INTERLEAVED_RANK,
+    INTERLEAVED_RANKS,
+    SCHEDULES,
+    SHARDINGS,
+    ModelSpec,
+    RunSpec,
+)
 
 # cuBLAS reads this once, when its handle is created: set it before any CUDA matmul.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -43,7 +51,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def schedule_order(schedule: str, microbatches: int) -> list[tuple[str, int]]:
-    """The ("F"|"B", microbatch) sequence of one step."""
+    """The ("F"|"B", pass) sequence of one step. A pass is one forward (and later its backward)
+    of one model chunk for one microbatch: the microbatch itself for the schedules without
+    model chunks, ``microbatch * chunks + chunk`` for ``interleaved`` (``pass_of``)."""
     M = microbatches
     if schedule == "sequential":
         return [op for mb in range(M) for op in (("F", mb), ("B", mb))]
@@ -54,7 +64,56 @@ def schedule_order(schedule: str, microbatches: int) -> list[tuple[str, int]]:
         for mb in range(1, M):
             order += [("F", mb), ("B", mb - 1)]
         return [*order, ("B", M - 1)]
-    raise ValueError(f"unknown schedule {schedule!r}; known: sequential, gpipe, 1f1b")
+    if schedule == "interleaved":
+        return interleaved_order(M)
+    raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+
+
+def model_chunks(schedule: str) -> int:
+    """Model chunks one pass runs (``INTERLEAVED_CHUNKS`` for ``interleaved``, else 1)."""
+    return INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
+
+
+def pass_of(microbatch: int, chunk: int, chunks: int) -> int:
+    """The pass id of ``chunk``'s forward of ``microbatch`` (``schedule_order``'s second field)."""
+    return microbatch * chunks + chunk
+
+
+def interleaved_order(
+    microbatches: int,
+    *,
+    chunks: int = INTERLEAVED_CHUNKS,
+    ranks: int = INTERLEAVED_RANKS,
+    rank: int = INTERLEAVED_RANK,
+) -> list[tuple[str, int]]:
+    """Megatron-Core's interleaved 1F1B order of passes as pipeline rank ``rank`` of ``ranks``
+    runs it with ``chunks`` model chunks (virtual stages) and microbatch groups of ``ranks``:
+    the k-th forward runs chunk ``(k mod (ranks * chunks)) // ranks`` of microbatch
+    ``(k // (ranks * chunks)) * ranks + k mod ranks``, the k-th backward the same microbatch's
+    chunk ``chunks - 1 -`` that; ``(ranks - rank - 1) * 2 + (chunks - 1) * ranks`` forwards of
+    warmup, then one forward and one backward at a time, then the remaining backwards.
+
+    Every chunk's forward of a microbatch comes after the previous chunk's, and its backward
+    after the next chunk's, so the whole model can run on one process in this order: the other
+    ranks' stages, which sit between this rank's chunks in a real pipeline, are folded into
+    them and never touch this rank's offloader."""
+    if microbatches % ranks:
+        raise ValueError(
+            f"the interleaved schedule takes microbatches in groups of {ranks} (its pipeline "
+            f"ranks): --microbatches must be a multiple of {ranks}, got {microbatches}"
+        )
+    total = microbatches * chunks
+
+    def position(k: int, backward: bool) -> int:
+        chunk = (k % (ranks * chunks)) // ranks
+        microbatch = (k // (ranks * chunks)) * ranks + k % ranks
+        return pass_of(microbatch, chunks - 1 - chunk if backward else chunk, chunks)
+
+    warmup = min((ranks - rank - 1) * 2 + (chunks - 1) * ranks, total)
+    order = [("F", position(k, False)) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [("F", position(warmup + i, False)), ("B", position(i, True))]
+    return order + [("B", position(i, True)) for i in range(total - warmup, total)]
 
 
 def last_forward_index(order: list[tuple[str, int]]) -> int:
@@ -198,6 +257,11 @@ def train_harness(
     sharding: str,
 ) -> TrainResult:
     """One run of our model (``harness.models``): see the module docstring."""
+    if sharding == "zero3" and model_chunks(run.schedule) > 1:
+        raise ValueError(
+            f"schedule {run.schedule!r} runs model chunks, which FSDP2's root does not gather "
+            "around: sharding 'zero3' takes the other schedules"
+        )
     if sharding == "zero3":
         model = shard_model(spec, run, device)
         optimizer = _Optimizer(model, run, master_copies=False)
@@ -258,6 +322,10 @@ def _run_step(
     step: int,
     hooks: RunHooks,
 ) -> None:
+    chunks = model_chunks(run.schedule)
+    if chunks > 1:
+        _run_chunked_step(model, offloader, batches, losses, order, run, step, hooks, chunks)
+        return
     pending: dict[int, torch.Tensor] = {}
     for kind, mb in order:
         if kind == "F":
@@ -270,4 +338,51 @@ def _run_step(
                 hooks.after_forward(step, mb)
         else:
             (pending.pop(mb) / run.microbatches).backward()
+    offloader.end_iteration()
+
+
+def _run_chunked_step(
+    model: HybridModel,
+    offloader: Offloader,
+    batches: torch.Tensor,
+    losses: torch.Tensor,
+    order: list[tuple[str, int]],
+    run: RunSpec,
+    step: int,
+    hooks: RunHooks,
+    chunks: int,
+) -> None:
+    """One step in passes of model chunks, as pipeline stages run them: a chunk's forward takes
+    the previous chunk's output detached (what a stage receives), its backward starts from the
+    next chunk's input gradient (what a stage is sent back), the last chunk's from the loss."""
+    outputs: dict[int, torch.Tensor] = {}  # pass -> its output (the loss for the last chunk)
+    inputs: dict[int, torch.Tensor] = {}  # pass -> the detached input it received
+    sent_back: dict[int, torch.Tensor] = {}  # pass -> the gradient of its output
+    for kind, p in order:
+        mb, chunk = divmod(p, chunks)
+        if kind == "F":
+            model_chunk_of(offloader, chunk, chunks)
+            offloader.begin_microbatch(p)
+            tokens = batches[mb]
+            if chunk == 0:
+                x = tokens[:, :-1]
+            else:
+                x = inputs[p] = outputs[p - 1].detach().requires_grad_(True)
+            out = model.forward_chunk(x, offloader, chunk, chunks)
+            if chunk == chunks - 1:
+                out = loss_fn(out, tokens[:, 1:])
+                losses[mb].copy_(out.detach())
+            outputs[p] = out
+            if hooks.after_forward is not None:
+                hooks.after_forward(step, p)
+        else:
+            out = outputs.pop(p)
+            if chunk == chunks - 1:
+                (out / run.microbatches).backward()
+            else:
+                out.backward(sent_back.pop(p))
+            if chunk > 0:
+                received = inputs.pop(p)
+                assert received.grad is not None, "a chunk's input got no gradient"
+                sent_back[p - 1] = received.grad
     offloader.end_iteration()

@@ -56,11 +56,34 @@ class HybridModel(nn.Module):
         unsharded parameters exist only from its own pre-forward hook on (FSDP2 prepends its
         hook, so ours runs after the all-gather), and the sharded ones outside are DTensors
         with no storage of their own."""
+        return self.forward_chunk(tokens_BT, off, 0, 1)
+
+    def chunk_layers(self, chunk: int, chunks: int) -> range:
+        """Indices of the layers model chunk ``chunk`` of ``chunks`` runs: contiguous, the
+        first ``len(layers) % chunks`` chunks one layer longer."""
+        count = len(self.layers)
+        if not 0 <= chunk < chunks <= count:
+            raise ValueError(
+                f"model chunk {chunk} of {chunks}: the model has {count} layers (a chunk needs "
+                "at least one)"
+            )
+        size, extra = divmod(count, chunks)
+        start = chunk * size + min(chunk, extra)
+        return range(start, start + size + (chunk < extra))
+
+    def forward_chunk(
+        self, x: torch.Tensor, off: Offloader, chunk: int, chunks: int
+    ) -> torch.Tensor:
+        """One model chunk's forward (a virtual pipeline stage): chunk 0 embeds tokens [B, T],
+        a later one takes the previous chunk's hidden states [B, T, D]; the last chunk returns
+        logits [B, T, V], the others hidden states. ``forward`` is the single chunk 0 of 1."""
         root = [p for name, p in self.named_parameters() if not name.startswith("layers.")]
         off.mark_not_offloadable(*root, *self.buffers())
-        x_BTD = F.embedding(tokens_BT, self.embedding)
-        for index, layer in enumerate(self.layers):
-            x_BTD = layer(x_BTD, off, index)
+        x_BTD = F.embedding(x, self.embedding) if chunk == 0 else x
+        for index in self.chunk_layers(chunk, chunks):
+            x_BTD = self.layers[index](x_BTD, off, index)
+        if chunk < chunks - 1:
+            return x_BTD
         return F.linear(self.final_norm(x_BTD), self.head)
 
 

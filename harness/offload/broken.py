@@ -251,6 +251,50 @@ class WrongMicrobatch(OffloadContext):
         return value
 
 
+class _NamedTag:
+    """A saved-tensor tag by group name only: (name, occurrence of the name in its chunk,
+    slot), the way a manager that matches a backward group to a chunk by name identifies it."""
+
+    __slots__ = ("index", "name", "slot")
+
+    def __init__(self, name: str, index: int, slot: int) -> None:
+        self.name, self.index, self.slot = name, index, slot
+
+
+class ChunkOrder(OffloadContext):
+    """Backward served from the chunk a manager without virtual stages expects (Megatron-Core's
+    chunk handlers with virtual pipeline stages: the backward queue built in the wrong stage
+    order, a handler advancing to the next chunk early).
+
+    Tags name the group by name and its occurrence in the chunk, not by chunk; backward takes
+    the tensor from the first chunk in *forward* order that still holds one of that name,
+    occurrence and slot - right whenever chunks run backward in forward order (sequential,
+    GPipe, 1F1B), wrong under the interleaved schedule, where a microbatch's last model chunk
+    runs backward before its first: its backward gets the first chunk's activations of the same
+    layer kind (same shapes, other layers' data). Every tensor is still handed out exactly once,
+    so nothing leaks and nothing crashes. Caught by loss equivalence on the interleaved row,
+    and by nothing else in the default matrix.
+    """
+
+    name = "broken.chunk_order"
+
+    def _pack(self, group: GroupState, tensor: torch.Tensor) -> Any:
+        packed = super()._pack(group, tensor)
+        if not isinstance(packed, Tag):
+            return packed
+        same = [g for g in group.chunk.groups if g.name == group.name]
+        return _NamedTag(group.name, same.index(group), packed.slot)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _NamedTag):
+            return packed
+        for chunk in self._chunks.values():  # forward (warmup creation) order
+            same = [g for g in chunk.groups if g.name == packed.name]
+            if packed.index < len(same) and packed.slot in same[packed.index].entries:
+                return super()._unpack(Tag(same[packed.index], packed.slot))
+        raise RuntimeError(f"no chunk holds {packed.name} #{packed.index} slot {packed.slot}")
+
+
 EXPERT_BLOCK = ("expert_fc1", "moe_act")
 """The unfused expert path's groups, which TE's fused grouped MLP offloaded as one saved set."""
 
@@ -665,6 +709,13 @@ ATTENTION_1F1B_3MB = Case(
 EVAL_FIRST = Case(
     family="hybrid", offload=("core_attn", "attn_proj"), precision="bf16", eval_first=True
 )
+INTERLEAVED = Case(
+    family="hybrid",
+    offload=("core_attn", "attn_proj"),
+    schedule="interleaved",
+    microbatches=4,
+    precision="bf16",
+)
 
 CATALOGUE: tuple[BrokenBackend, ...] = (
     BrokenBackend(
@@ -689,6 +740,14 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="Megatron-LM tensor_pop, bugs list #22, PR #6783",
         cpu=True,
         catchers=(("equivalence", ATTENTION_1F1B), ("leaks", ATTENTION_1F1B)),
+    ),
+    BrokenBackend(
+        factory=ChunkOrder,
+        bug_class="backward served from the wrong model chunk (chunks assumed to run backward "
+        "in forward order)",
+        reference="Megatron-Core chunk handlers with virtual pipeline stages (issue 25)",
+        cpu=True,
+        catchers=(("equivalence", INTERLEAVED),),
     ),
     BrokenBackend(
         factory=UnselectedGroups,

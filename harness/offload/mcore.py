@@ -6,6 +6,7 @@ streams, its pinned pool and its policies (margin, delta, fraction, max in-fligh
 unchanged:
 
     begin_microbatch(m)   -> FineGrainedActivationOffloadingInterface.init_chunk_handler(...)
+    model_chunk(c, n)     -> that call's vp_stage c and vp_size n (the interleaved schedule)
     group(name, x, layer) -> fine_grained_offloading_group_start(x, name)
     with group:           -> PipelineOffloadManager.__enter__/__exit__ (saved-tensor hooks)
     group.commit(y, rel)  -> fine_grained_offloading_group_offload(y, name, rel)
@@ -148,6 +149,8 @@ class McoreOffloader:
         self._manager = self._mcore.PipelineOffloadManager.get_instance()
         self._enabled = True
         self._microbatch = 0
+        self._vp: tuple[int, int] | None = None
+        """(vp_stage, vp_size) of the next chunk handler (``model_chunk``); None: no stages."""
         self._keys: dict[int, GroupKey] = {}
         """id(megatron OffloadTensorGroup) -> (microbatch, layer, name) of its occurrence."""
         self._wrapped: set[int] = set()
@@ -211,15 +214,23 @@ class McoreOffloader:
 
     # -- protocol --------------------------------------------------------------------------
 
+    def model_chunk(self, chunk: int, chunks: int) -> None:
+        """The next pass runs virtual pipeline stage ``chunk`` of ``chunks``: megatron-core's
+        manager orders its chunk handlers for backward by stage (it pushes the last stage's at
+        once and the earlier stages' when a round of stages is complete), so it must be told."""
+        self._vp = (chunk, chunks)
+
     def begin_microbatch(self, microbatch: int) -> None:
         self._microbatch = microbatch
+        vp, self._vp = self._vp, None
         if not self._enabled or self._native:
             return
         c = self.config
+        vp_stage, vp_size = vp if vp is not None else (None, None)
         self._interface.init_chunk_handler(
             c.pp_rank,
-            None,
-            None,
+            vp_size,
+            vp_stage,
             c.min_offloaded_tensor_size,
             c.delta_offload_bytes_across_pp_ranks,
             c.activation_offload_fraction,

@@ -15,8 +15,16 @@ The training runner brackets microbatches and iterations:
     off.end_iteration()       # after the optimizer step (Megatron's reset); the first one that
                               # saw groups ends the warmup iteration
 
-One member is optional: ``plan(occurrences)``, told the selected group occurrences of a
-microbatch's forward before training where the runner knows them (``plan_of``).
+Under the ``interleaved`` schedule the model runs in model chunks (virtual pipeline stages):
+each chunk's forward of a microbatch is a pass of its own, and ``begin_microbatch`` gets the
+pass id ``microbatch * chunks + chunk`` (``harness.train.pass_of``), so an offloader keyed by
+microbatch sees one forward and one backward per id as always.
+
+Two members are optional: ``plan(occurrences)``, told the selected group occurrences of a
+microbatch's forward before training where the runner knows them (``plan_of``); and
+``model_chunk(chunk, chunks)``, called just before ``begin_microbatch`` of every pass of a
+schedule with model chunks, for an offloader that keys its state by virtual stage as
+Megatron-Core's does (``model_chunk_of``).
 
 A backend is a factory ``(config, device) -> Offloader``; see ``harness.offload.backends``. What
 the harness needs to know about a factory besides that (its copy rules, whether it takes race
@@ -139,6 +147,18 @@ class Wrapper:
 
     def plan(self, occurrences: Sequence[tuple[int, str]]) -> None:
         plan_of(self.inner, occurrences)
+
+    def model_chunk(self, chunk: int, chunks: int) -> None:
+        model_chunk_of(self.inner, chunk, chunks)
+
+
+def model_chunk_of(offloader: object, chunk: int, chunks: int) -> None:
+    """Tell ``offloader`` that the next pass (``begin_microbatch``) runs model chunk ``chunk``
+    of ``chunks``, if it takes that (the optional member ``model_chunk``). The runner calls it
+    under schedules with model chunks only; an offloader keyed by pass needs nothing more."""
+    model_chunk = getattr(offloader, "model_chunk", None)
+    if callable(model_chunk):
+        model_chunk(chunk, chunks)
 
 
 def plan_of(offloader: object, occurrences: Sequence[tuple[int, str]]) -> None:
