@@ -356,6 +356,11 @@ def memory_problems(res: MemoryResult) -> list[str]:
             f"  live only in the baseline: {_sizes(res.freed_sizes)}",
             f"  live only in the offload run: {_sizes(res.extra_sizes)}",
         ]
+        if res.predicted_extra:
+            problems.append(
+                "  predicted live only in the offload run (duplicate whole-storage reloads of "
+                f"groups reloaded ahead of their backward): {_sizes(res.predicted_extra)}"
+            )
         problems += _site_lines(
             "baseline", res.freed_sizes - res.predicted_sizes, res.baseline_sites
         )

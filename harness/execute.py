@@ -51,6 +51,7 @@ from harness.predict import (
     predict,
     prefetched_before,
     redundant_reload_bytes,
+    redundant_reload_sizes,
 )
 from harness.spec import ModelSpec, RunSpec
 from harness.syncguard import (
@@ -787,6 +788,9 @@ class MemoryResult:
     ``harness.predict.redundant_reload_bytes``): what Megatron's per-tensor copies may add."""
     predicted_sizes: Counter[int]
     """Bytes of each storage predicted to be freed."""
+    predicted_extra: Counter[int] = dataclasses.field(default_factory=Counter)
+    """Blocks predicted live only in the offload run: duplicate whole-storage copies of groups
+    reloaded ahead of their backward (``harness.predict.redundant_reload_sizes``)."""
     freed_sizes: Counter[int]
     """Requested bytes of live blocks the baseline holds and the offload run does not."""
     extra_sizes: Counter[int]
@@ -849,7 +853,16 @@ def run_memory(
         k: (e if k not in early else dataclasses.replace(e, decision="prefetched"))
         for k, e in steady.items()
     }
-    freed = freed_storages(observations, on_host, in_flight_after_forward(order, last_forward))
+    in_flight = in_flight_after_forward(order, last_forward)
+    freed = freed_storages(observations, on_host, in_flight)
+    # A group reloaded ahead of its backward (``early``) holds its duplicate whole-storage
+    # copies as storages of their own: blocks the baseline does not have.
+    reloaded_twice = Counter(
+        size
+        for o in observations
+        if (o.microbatch, o.layer, o.name) in early and o.microbatch in in_flight
+        for size in redundant_reload_sizes(o, config, env.semantics)
+    )
     redundant = sorted(
         redundant_reload_bytes(o, config, env.semantics)
         for o in observations
@@ -863,7 +876,7 @@ def run_memory(
             off = _memory_run(spec, run, offloader, env.device, last_mb, case.sharding)
     return MemoryResult(
         case=case,
-        predicted_drop=sum(freed.values()),
+        predicted_drop=sum(freed.values()) - sum(size * n for size, n in reloaded_twice.items()),
         baseline_requested=base.requested,
         offload_requested=off.requested,
         baseline_allocated=base.allocated,
@@ -872,7 +885,8 @@ def run_memory(
         baseline_peak=base.peak,
         offload_peak=off.peak,
         peak_allowance=sum(redundant[-2:]),
-        predicted_sizes=Counter(freed.values()),
+        predicted_sizes=Counter(freed.values()) - reloaded_twice,
+        predicted_extra=reloaded_twice - Counter(freed.values()),
         freed_sizes=base.blocks - off.blocks,
         extra_sizes=off.blocks - base.blocks,
         floor_freed=(

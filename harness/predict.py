@@ -172,6 +172,14 @@ def redundant_reload_bytes(
     """Device bytes a reload of this group holds beyond the original tensors: every whole-storage
     copy of a storage that the group copies more than once comes back as its own storage
     (Megatron copies each saved tensor separately; it warns about such duplicates)."""
+    return sum(redundant_reload_sizes(obs, config, semantics))
+
+
+def redundant_reload_sizes(
+    obs: GroupObservation, config: OffloadConfig, semantics: Semantics = MEGATRON_MAIN
+) -> list[int]:
+    """The storages (bytes each) behind ``redundant_reload_bytes``: one per whole-storage copy
+    beyond the first of a storage the group copies more than once."""
     whole: dict[int, list[int]] = {}
     for info in obs.saved:
         if (
@@ -180,7 +188,7 @@ def redundant_reload_bytes(
             and copy_bytes(info, semantics) == info.storage_nbytes
         ):
             whole.setdefault(info.storage_id, []).append(info.storage_nbytes)
-    return sum(sum(sizes[1:]) for sizes in whole.values())
+    return [size for sizes in whole.values() for size in sizes[1:]]
 
 
 def predict(
