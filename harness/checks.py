@@ -358,8 +358,8 @@ def memory_problems(res: MemoryResult) -> list[str]:
         ]
         if res.predicted_extra:
             problems.append(
-                "  predicted live only in the offload run (duplicate whole-storage reloads of "
-                f"groups reloaded ahead of their backward): {_sizes(res.predicted_extra)}"
+                "  predicted live only in the offload run (reloads of groups reloaded ahead of "
+                f"their backward, beyond the storages they freed): {_sizes(res.predicted_extra)}"
             )
         problems += _site_lines(
             "baseline", res.freed_sizes - res.predicted_sizes, res.baseline_sites

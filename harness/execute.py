@@ -51,7 +51,7 @@ from harness.predict import (
     predict,
     prefetched_before,
     redundant_reload_bytes,
-    redundant_reload_sizes,
+    reload_sizes,
 )
 from harness.spec import ModelSpec, RunSpec
 from harness.syncguard import (
@@ -789,8 +789,8 @@ class MemoryResult:
     predicted_sizes: Counter[int]
     """Bytes of each storage predicted to be freed."""
     predicted_extra: Counter[int] = dataclasses.field(default_factory=Counter)
-    """Blocks predicted live only in the offload run: duplicate whole-storage copies of groups
-    reloaded ahead of their backward (``harness.predict.redundant_reload_sizes``)."""
+    """Blocks predicted live only in the offload run: reloads of groups reloaded ahead of their
+    backward beyond the storages they freed (``harness.predict.reload_sizes``)."""
     freed_sizes: Counter[int]
     """Requested bytes of live blocks the baseline holds and the offload run does not."""
     extra_sizes: Counter[int]
@@ -849,19 +849,16 @@ def run_memory(
     if run.steps == 1:  # the final step is the warmup
         steady = warmup
     early = prefetched_before(observations, steady, order, last_forward)
-    on_host = {
-        k: (e if k not in early else dataclasses.replace(e, decision="prefetched"))
-        for k, e in steady.items()
-    }
     in_flight = in_flight_after_forward(order, last_forward)
-    freed = freed_storages(observations, on_host, in_flight)
-    # A group reloaded ahead of its backward (``early``) holds its duplicate whole-storage
-    # copies as storages of their own: blocks the baseline does not have.
-    reloaded_twice = Counter(
+    # A group reloaded ahead of its backward (``early``) freed its storages like any offloaded
+    # one and holds its reloads instead: one allocation per copied tensor, so a tensor saved
+    # twice or a storage copied whole for two views comes back as more blocks than it was.
+    freed = freed_storages(observations, steady, in_flight)
+    reloaded = Counter(
         size
         for o in observations
         if (o.microbatch, o.layer, o.name) in early and o.microbatch in in_flight
-        for size in redundant_reload_sizes(o, config, env.semantics)
+        for size in reload_sizes(o, config, env.semantics)
     )
     redundant = sorted(
         redundant_reload_bytes(o, config, env.semantics)
@@ -876,7 +873,7 @@ def run_memory(
             off = _memory_run(spec, run, offloader, env.device, last_mb, case.sharding)
     return MemoryResult(
         case=case,
-        predicted_drop=sum(freed.values()) - sum(size * n for size, n in reloaded_twice.items()),
+        predicted_drop=sum(freed.values()) - sum(size * n for size, n in reloaded.items()),
         baseline_requested=base.requested,
         offload_requested=off.requested,
         baseline_allocated=base.allocated,
@@ -885,8 +882,8 @@ def run_memory(
         baseline_peak=base.peak,
         offload_peak=off.peak,
         peak_allowance=sum(redundant[-2:]),
-        predicted_sizes=Counter(freed.values()) - reloaded_twice,
-        predicted_extra=reloaded_twice - Counter(freed.values()),
+        predicted_sizes=Counter(freed.values()) - reloaded,
+        predicted_extra=reloaded - Counter(freed.values()),
         freed_sizes=base.blocks - off.blocks,
         extra_sizes=off.blocks - base.blocks,
         floor_freed=(

@@ -166,6 +166,15 @@ def _freed(obs: GroupObservation, config: OffloadConfig, semantics: Semantics) -
     return frozenset(moved - kept)
 
 
+def reload_sizes(
+    obs: GroupObservation, config: OffloadConfig, semantics: Semantics = MEGATRON_MAIN
+) -> list[int]:
+    """The device allocations (bytes each) a reload of this group makes: one per moved saved
+    tensor, of what its offload copied - a tensor saved twice (one input of two matmuls) comes
+    back as two allocations where the run without offload holds one storage."""
+    return [copy_bytes(s, semantics) for s in obs.saved if eligible(s, config, semantics)]
+
+
 def redundant_reload_bytes(
     obs: GroupObservation, config: OffloadConfig, semantics: Semantics = MEGATRON_MAIN
 ) -> int:

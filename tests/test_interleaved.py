@@ -181,3 +181,20 @@ def test_a_gated_activation_reloads_its_storage_twice() -> None:
             assert sizes == [halves[0].storage_nbytes]
         else:
             assert sizes == []
+
+
+def test_a_tensor_saved_twice_reloads_as_two_allocations() -> None:
+    """qkv_linear saves the normed input once per projection that reads it: one storage, two
+    copies, so a reload of the group allocates it twice (what the memory case predicts for a
+    group reloaded ahead of its backward)."""
+    from harness.offload.recorder import RecordingOffloader
+    from harness.predict import eligible, reload_sizes
+
+    case = PIPELINE_ROWS[2]
+    config = case.offload_config()
+    recorder = RecordingOffloader(config, "cpu")
+    train(case.model_spec("tiny"), case.run_spec().replace(steps=1), recorder, "cpu")
+    qkv = next(o for o in recorder.iterations[0] if o.name == "qkv_linear")
+    moved = [s for s in qkv.saved if eligible(s, config)]
+    assert len(reload_sizes(qkv, config)) == len(moved)
+    assert len({s.storage_id for s in moved}) < len(moved), "a storage copied more than once"
