@@ -322,53 +322,32 @@ def _run_step(
     step: int,
     hooks: RunHooks,
 ) -> None:
+    """One step in the schedule's passes. Without model chunks a pass is a microbatch's whole
+    forward and backward; with them (``interleaved``) each pass is one chunk of a microbatch,
+    as pipeline stages run them: a chunk's forward takes the previous chunk's output detached
+    (what a stage receives), its backward starts from the next chunk's input gradient (what a
+    stage is sent back), the last chunk's from the loss."""
     chunks = model_chunks(run.schedule)
-    if chunks > 1:
-        _run_chunked_step(model, offloader, batches, losses, order, run, step, hooks, chunks)
-        return
-    pending: dict[int, torch.Tensor] = {}
-    for kind, mb in order:
-        if kind == "F":
-            offloader.begin_microbatch(mb)
-            tokens = batches[mb]
-            loss = loss_fn(model(tokens[:, :-1], offloader), tokens[:, 1:])
-            losses[mb].copy_(loss.detach())
-            pending[mb] = loss
-            if hooks.after_forward is not None:
-                hooks.after_forward(step, mb)
-        else:
-            (pending.pop(mb) / run.microbatches).backward()
-    offloader.end_iteration()
-
-
-def _run_chunked_step(
-    model: HybridModel,
-    offloader: Offloader,
-    batches: torch.Tensor,
-    losses: torch.Tensor,
-    order: list[tuple[str, int]],
-    run: RunSpec,
-    step: int,
-    hooks: RunHooks,
-    chunks: int,
-) -> None:
-    """One step in passes of model chunks, as pipeline stages run them: a chunk's forward takes
-    the previous chunk's output detached (what a stage receives), its backward starts from the
-    next chunk's input gradient (what a stage is sent back), the last chunk's from the loss."""
     outputs: dict[int, torch.Tensor] = {}  # pass -> its output (the loss for the last chunk)
     inputs: dict[int, torch.Tensor] = {}  # pass -> the detached input it received
     sent_back: dict[int, torch.Tensor] = {}  # pass -> the gradient of its output
     for kind, p in order:
         mb, chunk = divmod(p, chunks)
         if kind == "F":
-            model_chunk_of(offloader, chunk, chunks)
+            if chunks > 1:
+                model_chunk_of(offloader, chunk, chunks)
             offloader.begin_microbatch(p)
             tokens = batches[mb]
             if chunk == 0:
                 x = tokens[:, :-1]
             else:
                 x = inputs[p] = outputs[p - 1].detach().requires_grad_(True)
-            out = model.forward_chunk(x, offloader, chunk, chunks)
+            # One chunk is the whole model: through its __call__, where FSDP2's root gathers.
+            out = (
+                model.forward_chunk(x, offloader, chunk, chunks)
+                if chunks > 1
+                else model(x, offloader)
+            )
             if chunk == chunks - 1:
                 out = loss_fn(out, tokens[:, 1:])
                 losses[mb].copy_(out.detach())

@@ -104,7 +104,12 @@ def test_native_watch_patches_megatron_and_restores_it() -> None:
     )
     off = object.__new__(McoreOffloader)
     off.__dict__.update(
-        _mcore=mcore, _interface=Interface, delays=RaceDelays(), _native=False, _enabled=True
+        _mcore=mcore,
+        _interface=Interface,
+        delays=RaceDelays(),
+        _native=False,
+        _enabled=True,
+        _vp=None,
     )
     off._started = lambda name, layer: seen.append(("keyed", name, layer))  # type: ignore[method-assign]
     off._log_iteration = lambda: seen.append(("log",))  # type: ignore[method-assign]

@@ -253,7 +253,7 @@ def test_schedule_orders_for_three_microbatches() -> None:
     ]
     assert schedule_order("1f1b", 1) == [("F", 0), ("B", 0)]
     with pytest.raises(ValueError, match="unknown schedule"):
-        schedule_order("interleaved", 3)
+        schedule_order("zigzag", 3)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
