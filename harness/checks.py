@@ -22,7 +22,7 @@ from harness.compare import first_divergence, loss_table
 from harness.execute import CaseRun, Environment, MemoryResult, attribution_mismatches, total
 from harness.predict import SIMPLEST, GroupKey, predict
 from harness.repro import case_command
-from harness.spec import ModelSpec
+from harness.spec import ModelSpec, pass_label
 from harness.train import schedule_order
 from harness.transfers import Counts
 
@@ -73,7 +73,7 @@ def suspect_groups(case: Case, res: CaseRun) -> str:
     step = min(known) if known else case.steps - 1
     offloaded, source = _offloaded_in_step(case, res, step)
     parts = [
-        f"microbatch {mb}: {_group_list(keys)}"
+        f"{pass_label(mb, case.schedule)}: {_group_list(keys)}"
         for mb, keys in sorted(_by_microbatch(offloaded).items())
     ]
     line = f"suspect groups, offloaded in step {step} ({source}): " + ("; ".join(parts) or "none")
@@ -140,7 +140,7 @@ def leak_problems(case: Case, res: CaseRun) -> list[str]:
                 "an earlier pass; groups it offloaded: "
                 + (
                     "; ".join(
-                        f"microbatch {mb}: {_group_list(keys)}"
+                        f"{pass_label(mb, case.schedule)}: {_group_list(keys)}"
                         for mb, keys in sorted(_by_microbatch(offloaded).items())
                     )
                     or "none"
@@ -153,7 +153,7 @@ def leak_problems(case: Case, res: CaseRun) -> list[str]:
                 f"step {log.iteration - evals}: {log.leaked_tensors} saved tensors never unpacked, "
                 f"{log.pool_in_use} pool buffers not returned; groups offloaded in that step: "
                 + "; ".join(
-                    f"microbatch {mb}: {_group_list(keys)}"
+                    f"{pass_label(mb, case.schedule)}: {_group_list(keys)}"
                     for mb, keys in sorted(_by_microbatch(offloaded).items())
                 )
             )

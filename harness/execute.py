@@ -53,7 +53,7 @@ from harness.predict import (
     redundant_reload_bytes,
     reload_sizes,
 )
-from harness.spec import ModelSpec, RunSpec
+from harness.spec import ModelSpec, RunSpec, chunk_layers, group_template, model_chunks, pass_label
 from harness.syncguard import (
     GUARDED_STEP,
     GuardedOffloader,
@@ -227,7 +227,6 @@ def offload_proof(
 ) -> list[str]:
     """Problems with the claim "every selected name moved bytes in every microbatch" (both
     ways; out only where the backend declares that a reload on this device copies nothing)."""
-    selected = set(case.offload) & set(spec.group_names)
     back = semantics.reloads_on(device.type if device is not None else "cpu")
     moved = {
         (mb, name)
@@ -235,12 +234,21 @@ def offload_proof(
         if fields["d2h_bytes"] > 0 and (fields["h2d_bytes"] > 0 or not back)
     }
     way = "both ways" if back else f"out (a reload copies nothing here: {semantics.label})"
-    return [
-        f"microbatch {mb}: no {name} group moved bytes {way} in the profiled warmup step"
-        for mb in range(microbatches)
-        for name in sorted(selected)
-        if (mb, name) not in moved
-    ]
+    chunks = model_chunks(case.schedule)
+    problems = []
+    for p in range(microbatches * chunks):  # every pass; a model chunk opens its layers' names
+        if chunks == 1:
+            opened = set(spec.group_names)
+        else:
+            layers = chunk_layers(len(spec.layers), p % chunks, chunks)
+            opened = {n for i in layers for n in group_template(spec.layers[i], spec.moe_path)}
+        problems += [
+            f"{pass_label(p, case.schedule)}: no {name} group moved bytes {way} in the profiled "
+            "warmup step"
+            for name in sorted(set(case.offload) & opened)
+            if (p, name) not in moved
+        ]
+    return problems
 
 
 @dataclass(kw_only=True)
@@ -345,7 +353,15 @@ class CaseRun:
     ) -> list[str]:
         whys = {k: e.why for k, e in expected.items() if e.why}
         predicted = _fields(expected, self.semantics, counts.mode)
-        return _diff(predicted, counts.by_group(), "predicted", "measured", whys, f"step {step}")
+        return _diff(
+            predicted,
+            counts.by_group(),
+            "predicted",
+            "measured",
+            whys,
+            f"step {step}",
+            self.case.schedule,
+        )
 
     def step_log_mismatches(self) -> list[str]:
         """Every step but the final one: the offloader's log of that iteration against the
@@ -356,7 +372,12 @@ class CaseRun:
         out = []
         for step, (log, counts) in enumerate(zip(logs[:-1], self.per_step[:-1], strict=True)):
             out += _diff(
-                log_by_group(log.groups), counts.by_group(), "log", "counted", step=f"step {step}"
+                log_by_group(log.groups),
+                counts.by_group(),
+                "log",
+                "counted",
+                step=f"step {step}",
+                schedule=self.case.schedule,
             )
         return out
 
@@ -365,7 +386,12 @@ class CaseRun:
         if self.logged is None:
             return []
         return _diff(
-            self.logged, self.measured, "log", "counted", step=f"step {self.case.steps - 1}"
+            self.logged,
+            self.measured,
+            "log",
+            "counted",
+            step=f"step {self.case.steps - 1}",
+            schedule=self.case.schedule,
         )
 
     def moved_names(self) -> set[str]:
@@ -401,10 +427,11 @@ def _diff(
     b: str,
     whys: dict[GroupKey, str] | None = None,
     step: str = "final step",
+    schedule: str = "sequential",
 ) -> list[str]:
     whys = whys or {}
     return [
-        f"{step}, microbatch {k[0]}, layer {k[1]}, group {k[2]}: "
+        f"{step}, {pass_label(k[0], schedule)}, layer {k[1]}, group {k[2]}: "
         f"{a} {left.get(k, _ZERO)} {b} {right.get(k, _ZERO)}"
         + (f" - {whys[k]}" if k in whys else "")
         for k in sorted({*left, *right})
@@ -424,7 +451,12 @@ def attribution_mismatches(res: CaseRun, final_step: int) -> list[str]:
         (f"step {final_step}", att.profiled[1], att.windows[1]),
     ):
         out += _diff(
-            ranged.by_group(), windows.by_group(), "its ranges", "harness windows", step=label
+            ranged.by_group(),
+            windows.by_group(),
+            "its ranges",
+            "harness windows",
+            step=label,
+            schedule=res.case.schedule,
         )
     return out
 

@@ -58,8 +58,17 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.offload.protocol import Group, IterationLog, Offloader, Output, Wrapper, local_tensor
+from harness.offload.protocol import (
+    Group,
+    IterationLog,
+    Offloader,
+    Output,
+    Wrapper,
+    local_tensor,
+    model_chunk_of,
+)
 from harness.offload.ranges import Direction, RangeKey, current_range, watching
+from harness.spec import label_pass
 from harness.transfers import DIRECTIONS, Counts, TransferCounts
 
 GroupKey = tuple[int, int, str]  # (microbatch, layer, name)
@@ -81,6 +90,8 @@ class _WindowState:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.microbatch = 0
+        self.chunks = 1
+        """Model chunks per pass (``model_chunk``): how messages name a pass."""
         self.open: list[GroupKey] = []
         self.observer: CopyObserver | None = None
         """The observer of the step running now (None: the step is not observed)."""
@@ -124,12 +135,17 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor | None:
 class _SumRecord:
     """One saved tensor's checksum at pack time, and the one of what its unpack returned."""
 
-    __slots__ = ("dtype", "index", "key", "offset", "packed", "reloaded", "shape")
+    __slots__ = ("chunks", "dtype", "index", "key", "offset", "packed", "reloaded", "shape")
 
     def __init__(
-        self, key: GroupKey, index: int, tensor: torch.Tensor, packed: torch.Tensor | None
+        self,
+        key: GroupKey,
+        index: int,
+        tensor: torch.Tensor,
+        packed: torch.Tensor | None,
+        chunks: int = 1,
     ) -> None:
-        self.key, self.index = key, index
+        self.key, self.index, self.chunks = key, index, chunks
         self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
         self.offset = tensor.storage_offset()
         self.packed, self.reloaded = packed, None
@@ -137,7 +153,8 @@ class _SumRecord:
     def where(self) -> str:
         mb, layer, name = self.key
         return (
-            f"microbatch {mb}, layer {layer}, group {name}, saved tensor {self.index} of the "
+            f"{label_pass(mb, self.chunks)}, layer {layer}, group {name}, saved tensor "
+            f"{self.index} of the "
             f"group: shape {list(self.shape)}, {self.dtype}, storage offset {self.offset}"
         )
 
@@ -208,7 +225,7 @@ class _WindowGroup:
                 observer.saved_by(tensor, key)
                 observer.note_cast(tensor)
                 if summed:
-                    record = _SumRecord(key, next(count), tensor, checksum(tensor))
+                    record = _SumRecord(key, next(count), tensor, checksum(tensor), state.chunks)
             previous, state.packing = state.packing, key
             try:
                 packed = pack(tensor)
@@ -254,6 +271,10 @@ class Windowed(Wrapper):
     def begin_microbatch(self, microbatch: int) -> None:
         self.state.microbatch = microbatch
         self.inner.begin_microbatch(microbatch)
+
+    def model_chunk(self, chunk: int, chunks: int) -> None:
+        self.state.chunks = chunks
+        model_chunk_of(self.inner, chunk, chunks)
 
     def note_model(self, model: torch.nn.Module) -> None:
         """The run's model is built: its parameters' storages are the weights no offload may

@@ -284,6 +284,39 @@ group size; microbatches must be a multiple of it)."""
 INTERLEAVED_RANK = 0
 """The pipeline rank whose order it is: rank 0 has the longest warmup (the most chunks in
 flight at once)."""
+
+
+def model_chunks(schedule: str) -> int:
+    """Model chunks one pass runs (``INTERLEAVED_CHUNKS`` for ``interleaved``, else 1)."""
+    return INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
+
+
+def chunk_layers(count: int, chunk: int, chunks: int) -> range:
+    """Indices of the layers model chunk ``chunk`` of ``chunks`` runs in a model of ``count``
+    layers: contiguous, the first ``count % chunks`` chunks one layer longer."""
+    if not 0 <= chunk < chunks <= count:
+        raise ValueError(
+            f"model chunk {chunk} of {chunks}: the model has {count} layers (a chunk needs at "
+            "least one)"
+        )
+    size, extra = divmod(count, chunks)
+    start = chunk * size + min(chunk, extra)
+    return range(start, start + size + (chunk < extra))
+
+
+def pass_label(p: int, schedule: str) -> str:
+    """How messages name pass ``p`` of ``schedule``: ``microbatch 3``, or with model chunks
+    ``pass 3 (microbatch 1, model chunk 1)``."""
+    return label_pass(p, model_chunks(schedule))
+
+
+def label_pass(p: int, chunks: int) -> str:
+    """``pass_label`` by the number of model chunks a pass runs."""
+    if chunks == 1:
+        return f"microbatch {p}"
+    return f"pass {p} (microbatch {p // chunks}, model chunk {p % chunks})"
+
+
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 SHARDINGS: tuple[str, ...] = ("none", "zero3", "mfsdp", "mfsdp2")
 """How the runner shards the model: ``none``; ``zero3``, flat ZeRO-3 through PyTorch's FSDP2

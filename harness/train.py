@@ -42,6 +42,7 @@ from harness.spec import (
     SHARDINGS,
     ModelSpec,
     RunSpec,
+    model_chunks,
 )
 
 # cuBLAS reads this once, when its handle is created: set it before any CUDA matmul.
@@ -67,11 +68,6 @@ def schedule_order(schedule: str, microbatches: int) -> list[tuple[str, int]]:
     if schedule == "interleaved":
         return interleaved_order(M)
     raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-
-
-def model_chunks(schedule: str) -> int:
-    """Model chunks one pass runs (``INTERLEAVED_CHUNKS`` for ``interleaved``, else 1)."""
-    return INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
 
 
 def pass_of(microbatch: int, chunk: int, chunks: int) -> int:

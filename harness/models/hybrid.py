@@ -21,7 +21,7 @@ from torch import nn
 from harness.groups import LAYERS
 from harness.models.layers import RMSNorm
 from harness.offload.protocol import Offloader
-from harness.spec import ModelSpec
+from harness.spec import ModelSpec, chunk_layers
 
 
 def layer_class(symbol: str) -> type[nn.Module]:
@@ -61,15 +61,7 @@ class HybridModel(nn.Module):
     def chunk_layers(self, chunk: int, chunks: int) -> range:
         """Indices of the layers model chunk ``chunk`` of ``chunks`` runs: contiguous, the
         first ``len(layers) % chunks`` chunks one layer longer."""
-        count = len(self.layers)
-        if not 0 <= chunk < chunks <= count:
-            raise ValueError(
-                f"model chunk {chunk} of {chunks}: the model has {count} layers (a chunk needs "
-                "at least one)"
-            )
-        size, extra = divmod(count, chunks)
-        start = chunk * size + min(chunk, extra)
-        return range(start, start + size + (chunk < extra))
+        return chunk_layers(len(self.layers), chunk, chunks)
 
     def forward_chunk(
         self, x: torch.Tensor, off: Offloader, chunk: int, chunks: int
