@@ -234,21 +234,28 @@ def offload_proof(
         if fields["d2h_bytes"] > 0 and (fields["h2d_bytes"] > 0 or not back)
     }
     way = "both ways" if back else f"out (a reload copies nothing here: {semantics.label})"
+    # The selected names each model chunk opens (one chunk: the whole model, MTP included).
     chunks = model_chunks(case.schedule)
-    problems = []
-    for p in range(microbatches * chunks):  # every pass; a model chunk opens its layers' names
-        if chunks == 1:
-            opened = set(spec.group_names)
-        else:
-            layers = chunk_layers(len(spec.layers), p % chunks, chunks)
-            opened = {n for i in layers for n in group_template(spec.layers[i], spec.moe_path)}
-        problems += [
-            f"{pass_label(p, case.schedule)}: no {name} group moved bytes {way} in the profiled "
-            "warmup step"
-            for name in sorted(set(case.offload) & opened)
-            if (p, name) not in moved
-        ]
-    return problems
+    selected = [
+        sorted(set(case.offload) & set(spec.group_names))
+        if chunks == 1
+        else sorted(
+            set(case.offload)
+            & {
+                name
+                for i in chunk_layers(len(spec.layers), chunk, chunks)
+                for name in group_template(spec.layers[i], spec.moe_path)
+            }
+        )
+        for chunk in range(chunks)
+    ]
+    return [
+        f"{pass_label(p, case.schedule)}: no {name} group moved bytes {way} in the profiled "
+        "warmup step"
+        for p in range(microbatches * chunks)
+        for name in selected[p % chunks]
+        if (p, name) not in moved
+    ]
 
 
 @dataclass(kw_only=True)

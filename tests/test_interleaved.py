@@ -11,7 +11,7 @@ from harness.offload.broken import ChunkOrder
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Wrapper
 from harness.offload.reference import OffloadContext
-from harness.spec import RunSpec
+from harness.spec import RunSpec, chunk_layers
 from harness.train import interleaved_order, pass_of, schedule_order, train
 
 SEED_INTERLEAVED = PIPELINE_ROWS[0]
@@ -67,10 +67,10 @@ def test_chunks_cover_the_layers_and_compose_to_the_whole_forward() -> None:
     case = SEED_INTERLEAVED
     spec = case.model_spec("tiny")
     model = seeded_model(spec, 1234)
-    assert [list(model.chunk_layers(c, 2)) for c in range(2)] == [[0, 1, 2], [3, 4, 5]]
-    assert [list(model.chunk_layers(c, 4)) for c in range(4)] == [[0, 1], [2, 3], [4], [5]]
+    assert [list(chunk_layers(6, c, 2)) for c in range(2)] == [[0, 1, 2], [3, 4, 5]]
+    assert [list(chunk_layers(6, c, 4)) for c in range(4)] == [[0, 1], [2, 3], [4], [5]]
     with pytest.raises(ValueError, match="needs at least one"):
-        model.chunk_layers(0, 7)
+        chunk_layers(6, 0, 7)
     tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_length))
     off = NoOffload()
     whole = model(tokens, off)

@@ -58,11 +58,6 @@ class HybridModel(nn.Module):
         with no storage of their own."""
         return self.forward_chunk(tokens_BT, off, 0, 1)
 
-    def chunk_layers(self, chunk: int, chunks: int) -> range:
-        """Indices of the layers model chunk ``chunk`` of ``chunks`` runs: contiguous, the
-        first ``len(layers) % chunks`` chunks one layer longer."""
-        return chunk_layers(len(self.layers), chunk, chunks)
-
     def forward_chunk(
         self, x: torch.Tensor, off: Offloader, chunk: int, chunks: int
     ) -> torch.Tensor:
@@ -72,7 +67,7 @@ class HybridModel(nn.Module):
         root = [p for name, p in self.named_parameters() if not name.startswith("layers.")]
         off.mark_not_offloadable(*root, *self.buffers())
         x_BTD = F.embedding(x, self.embedding) if chunk == 0 else x
-        for index in self.chunk_layers(chunk, chunks):
+        for index in chunk_layers(len(self.layers), chunk, chunks):
             x_BTD = self.layers[index](x_BTD, off, index)
         if chunk < chunks - 1:
             return x_BTD
