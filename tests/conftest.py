@@ -9,7 +9,12 @@ themselves (``tests/test_report_html.py``, the CLI's report test) turn them back
 
 Tests marked ``heavy`` (each starts interpreters of its own that import torch: 4-27 s on the
 2-core CPU machine) and the ``torchrun`` ones run first, so that under ``-n`` none of them is
-the last test a worker takes while the other worker has nothing left."""
+the last test a worker takes while the other worker has nothing left.
+
+The ``torchrun`` drills (each a torchrun job of 2 gloo ranks that fails, hangs, hangs in a
+collective or is killed, and waits out its timeouts: 60-80 s of one worker on the 2-core CPU
+machine) run when asked for: with ``-m`` naming them (``-m torchrun``, as CI's torchrun step
+does) or by node id. A run without ``-m`` deselects them and says so in its summary."""
 
 from __future__ import annotations
 
@@ -27,11 +32,21 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def _without_drills(config: pytest.Config) -> bool:
+    """Whether this session leaves the torchrun drills out: no ``-m``, no node id."""
+    return not config.option.markexpr and not any("::" in arg for arg in config.args)
+
+
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Heavy and torchrun tests first, everything else in the order it had (the plugin's:
-    the case groups with the most work first); the sort is stable, so each xdist group's
-    tests stay together."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The torchrun drills deselected unless asked for; then heavy and torchrun tests first,
+    everything else in the order it had (the plugin's: the case groups with the most work
+    first); the sort is stable, so each xdist group's tests stay together."""
+    if _without_drills(config):
+        drills = [item for item in items if item.get_closest_marker("torchrun") is not None]
+        if drills:
+            config.hook.pytest_deselected(items=drills)
+            items[:] = [item for item in items if item.get_closest_marker("torchrun") is None]
 
     def light(item: pytest.Item) -> bool:
         return item.get_closest_marker("heavy") is None and (
@@ -39,6 +54,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         )
 
     items.sort(key=light)
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    if _without_drills(config) and not hasattr(config, "workerinput"):
+        terminalreporter.write_line(
+            "the torchrun drills (multi-rank fault injection, about a minute) were left out: "
+            "run them with `python3 -m pytest -m torchrun tests/`"
+        )
 
 
 @pytest.fixture(autouse=True)

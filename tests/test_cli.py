@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm
 from child_pytest import pytest_command
 
 from harness.cases import MATRICES, default_matrix, full_matrix
@@ -308,7 +309,7 @@ def _collected_case_ids(*options: str) -> list[str]:
     """Test ids ``pytest --collect-only`` finds in cases/test_equivalence.py (repo root)."""
     command = pytest_command("--collect-only", "-q", "cases/test_equivalence.py")
     command += ["--device", "cpu", *options]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = warm.run(command, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     prefix = "cases/test_equivalence.py::test_loss_equivalence["
     return [line[len(prefix) : -1] for line in done.stdout.splitlines() if line.startswith(prefix)]

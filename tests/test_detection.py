@@ -52,6 +52,7 @@ from typing import TypeVar
 
 import pytest
 import torch
+import warm
 from child_pytest import CHILD_OPTIONS
 
 from harness.cases import Case
@@ -282,12 +283,14 @@ def test_broken_offloader_is_caught(entry: BrokenBackend, settings: Settings) ->
 def _inner(pytester: pytest.Pytester, settings: Settings, *args: str) -> pytest.RunResult:
     """An inner pytest session over this repository's cases, on this session's device and
     model size."""
-    return pytester.runpytest_subprocess(
+    return warm.runpytest(
+        pytester,
         *("--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), "-o", "addopts="),
         *CHILD_OPTIONS,
         *("--tb=short", "--report-dir", ""),
         *("--device", settings.device.type, "--model-size", settings.model_size),
         *args,
+        timeout=300,
     )
 
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import warm
 from child_pytest import pytest_command, torchrun_pytest_command
 
 from harness import distributed
@@ -79,7 +80,10 @@ def _two_rank_worker(rank: int, store_path: str, out: str) -> None:
 
 
 def test_helpers_across_two_gloo_ranks(tmp_path: Path) -> None:
-    mp.spawn(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    # forked from the forkserver that imported torch once (the harness's and tests/warm.py's),
+    # not two interpreters importing it again
+    args = (str(tmp_path / "store"), str(tmp_path))
+    mp.start_processes(_two_rank_worker, args=args, nprocs=2, start_method="forkserver")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     expected_problems = ["rank 1: first divergence: step 2, microbatch 1\nrank 1:   loss table"]
     for rank, result in enumerate(results):
@@ -207,13 +211,8 @@ def _clean_env() -> dict[str, str]:
 
 
 def _pytest(folder: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        pytest_command("--device", "cpu", *args),
-        cwd=folder,
-        env=_clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    return warm.run(
+        pytest_command("--device", "cpu", *args), cwd=folder, env=_clean_env(), timeout=timeout
     )
 
 
@@ -241,12 +240,10 @@ def test_xdist_with_torchrun_world_is_refused(pytester: pytest.Pytester) -> None
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_sleeper="def test_nothing():\n    pass\n")
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-    done = subprocess.run(
+    done = warm.run(
         pytest_command("-n", "2", "--device", "cpu"),
         cwd=pytester.path,
         env={**_clean_env(), **env},
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert done.returncode == pytest.ExitCode.USAGE_ERROR

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import warm
 
 from harness import session
 from harness.cases import Case, matrix
@@ -62,13 +63,8 @@ def _run(
     folder: Path, *argv: str, timeout: float = 240
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     began = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "harness", "run", "--device", "cpu", "--jobs", "1", *argv],
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = [sys.executable, "-m", "harness", "run", "--device", "cpu", "--jobs", "1", *argv]
+    done = warm.run(command, cwd=folder, timeout=timeout)
     return done, time.perf_counter() - began
 
 
@@ -139,6 +135,9 @@ def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> Non
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # as a terminal starts it: this session may run where SIGINT is ignored (a shell's
+        # background job), which the child would inherit and never see the Ctrl-C
+        preexec_fn=_sigint_default,
     )
     # Workers spawned, cases running: the first case's progress line (flushed as it finishes;
     # the others are still running), not a fixed sleep that must outlast a loaded machine.
@@ -173,6 +172,10 @@ def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> Non
     time.sleep(0.5)
     alive = [pid for pid in children if _running(int(pid))]
     assert not alive, f"workers outlived the interrupted run: {alive}"
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _ignores_sigint(pid: int) -> bool | None:

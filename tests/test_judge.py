@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import warm
 from child_pytest import pytest_command
 
 from harness.cases import find_case
@@ -70,9 +71,7 @@ def test_pytest_and_run_decide_every_check_alike(
     command = pytest_command("-p", "no:xdist", "-q", *nodes, *common)
     command += ["--report-dir", str(tmp_path / "pytest")]
     # The pytest session starts first and imports while the CLI runs here.
-    child = subprocess.Popen(
-        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    child = warm.start(command, cwd=REPO)
     try:
         code = main(["run", "--case", CASE, *common, "--report-dir", str(tmp_path / "cli")])
         out = capsys.readouterr()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 from child_pytest import pytest_command
 
 from harness.cases import (
@@ -157,12 +157,8 @@ def test_cpu_has_no_megatron_models() -> None:
 def test_family_mcore_skips_at_collection_on_cpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the CPU skip reason")
-    out = subprocess.run(
-        [*PYTEST, "cases/test_equivalence.py", "--family", "mcore", "-rs"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    out = warm.run(
+        [*PYTEST, "cases/test_equivalence.py", "--family", "mcore", "-rs"], cwd=ROOT, timeout=300
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"SKIPPED [{2 * len(MCORE_FAMILY)}]" in out.stdout
@@ -171,13 +167,7 @@ def test_family_mcore_skips_at_collection_on_cpu() -> None:
 
 
 def test_bad_family_is_a_usage_error() -> None:
-    out = subprocess.run(
-        [*PYTEST, "cases/", "--family", "gpt"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = warm.run([*PYTEST, "cases/", "--family", "gpt"], cwd=ROOT, timeout=300)
     assert out.returncode == 4
     assert "--family must be one of harness, mcore, all; got 'gpt'" in out.stderr
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm
 from child_pytest import HYPOTHESIS_PLUGIN, pytest_command
 
 pytest_plugins = ["pytester"]
@@ -106,7 +107,7 @@ def test_a_case_row_under_n_reaches_its_report_entry(tmp_path: Path) -> None:
 
     root = Path(__file__).resolve().parents[1]
     seed = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
-    out = subprocess.run(
+    out = warm.run(
         pytest_command(
             "-q",
             "-rA",
@@ -119,8 +120,6 @@ def test_a_case_row_under_n_reaches_its_report_entry(tmp_path: Path) -> None:
             str(tmp_path),
         ),
         cwd=root,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr
