@@ -19,6 +19,7 @@ does) or by node id. A run without ``-m`` deselects them and says so in its summ
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,16 @@ def pytest_configure(config: pytest.Config) -> None:
 def _without_drills(config: pytest.Config) -> bool:
     """Whether this session leaves the torchrun drills out: no ``-m``, no node id."""
     return not config.option.markexpr and not any("::" in arg for arg in config.args)
+
+
+def _drills_in_scope(config: pytest.Config) -> bool:
+    """Whether this session's paths hold the drills (``tests/`` or their file): the xdist
+    controller collects nothing itself, so it reads the paths, not the items."""
+    here = Path(__file__).parent
+    drills = here / "test_distributed.py"
+    return not hasattr(config, "workerinput") and any(
+        Path(arg).resolve() in (here, drills) for arg in config.args
+    )
 
 
 @pytest.hookimpl(trylast=True)
@@ -59,7 +70,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_terminal_summary(
     terminalreporter: pytest.TerminalReporter, config: pytest.Config
 ) -> None:
-    if _without_drills(config) and not hasattr(config, "workerinput"):
+    if _without_drills(config) and _drills_in_scope(config):
         terminalreporter.write_line(
             "the torchrun drills (multi-rank fault injection, about a minute) were left out: "
             "run them with `python3 -m pytest -m torchrun tests/`"

@@ -51,6 +51,10 @@ _STARTUP = re.compile(r"(PYTHON|ATEN_|OMP_|MKL_|KMP_|GOMP_|OPENBLAS_|LD_|CUDA_|N
 _APPLIED = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"})
 """Startup variables a forked child applies itself."""
 
+COLD_VARIABLE = "OFFLOAD_HARNESS_TESTS_COLD"
+"""Set to 1, every command starts in a fresh interpreter (to tell a fork's effect from the
+command's own when a test fails)."""
+
 _NEEDS_FRESH = 223
 """The exit status of a child whose environment needs a fresh interpreter (nothing ran)."""
 
@@ -126,7 +130,7 @@ def start(
     piped output would start it: forked warm where it can be, else exactly so."""
     environ = dict(os.environ if env is None else env)
     module_args = _module_command(command)
-    if module_args is not None:
+    if module_args is not None and os.environ.get(COLD_VARIABLE) != "1":
         folder = Path(tempfile.mkdtemp(prefix="warm-"))
         process = _context().Process(
             target=_child,
