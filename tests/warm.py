@@ -130,7 +130,7 @@ def start(
     piped output would start it: forked warm where it can be, else exactly so."""
     environ = dict(os.environ if env is None else env)
     module_args = _module_command(command)
-    if module_args is not None and os.environ.get(COLD_VARIABLE) != "1":
+    if module_args is not None and environ.get(COLD_VARIABLE) != "1":
         folder = Path(tempfile.mkdtemp(prefix="warm-"))
         process = _context().Process(
             target=_child,

@@ -1,0 +1,87 @@
+"""``tests/warm.py``: a forked child runs a ``python -m`` command as a fresh interpreter would -
+exit status, separate output streams, working directory, environment, ``PYTHONPATH``, Ctrl-C -
+and a command it cannot run that way gets a fresh interpreter."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import warm
+
+PROBE = """
+import os, sys, time
+print("cwd", os.getcwd())
+print("path0", sys.path[0])
+print("torch-before", "torch" in sys.modules)
+print("var", os.environ.get("WARM_PROBE_VAR"))
+print("to stderr", file=sys.stderr)
+if os.environ.get("WARM_PROBE_WAIT"):
+    print("waiting", flush=True)
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+sys.exit(int(os.environ.get("WARM_PROBE_EXIT", "0")))
+"""
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> tuple[list[str], dict[str, str], Path]:
+    """``python -m warm_probe`` importable through ``PYTHONPATH`` alone, run in a folder of
+    its own."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "warm_probe.py").write_text(PROBE)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != warm.COLD_VARIABLE}
+    env["PYTHONPATH"] = os.pathsep.join([str(modules), env.get("PYTHONPATH", "")])
+    return [sys.executable, "-m", "warm_probe"], env, cwd
+
+
+def _fields(stdout: str) -> dict[str, str]:
+    return dict(line.split(" ", 1) for line in stdout.splitlines() if " " in line)
+
+
+def test_a_warm_child_runs_the_command_as_an_interpreter_would(probe) -> None:
+    command, env, cwd = probe
+    done = warm.run(
+        command, cwd=cwd, env={**env, "WARM_PROBE_VAR": "x", "WARM_PROBE_EXIT": "3"}, timeout=120
+    )
+    fields = _fields(done.stdout)
+    assert done.returncode == 3, done
+    assert fields["torch-before"] == "True", "forked from the server that imported torch"
+    assert fields["cwd"] == str(cwd) and fields["path0"] == str(cwd), fields
+    assert fields["var"] == "x"
+    assert done.stderr == "to stderr\n" and "to stderr" not in done.stdout
+    without = warm.run(command, cwd=cwd, env=env, timeout=120)
+    assert without.returncode == 0 and _fields(without.stdout)["var"] == "None"
+
+
+def test_a_variable_read_at_startup_gets_a_fresh_interpreter(probe) -> None:
+    command, env, cwd = probe
+    fresh = warm.run(command, cwd=cwd, env={**env, "ATEN_CPU_CAPABILITY": "default"}, timeout=120)
+    assert fresh.returncode == 0, fresh
+    assert _fields(fresh.stdout)["torch-before"] == "False"
+    cold = warm.run(command, cwd=cwd, env={**env, warm.COLD_VARIABLE: "1"}, timeout=120)
+    assert _fields(cold.stdout)["torch-before"] == "False"
+
+
+def test_a_warm_child_takes_ctrl_c(probe) -> None:
+    command, env, cwd = probe
+    process = warm.start(command, cwd=cwd, env={**env, "WARM_PROBE_WAIT": "1"})
+    assert isinstance(process, warm.WarmProcess)
+    seen = []
+    for line in warm.lines(process, timeout=60):
+        seen.append(line)
+        if line == "waiting\n":
+            break
+    assert seen and seen[-1] == "waiting\n", seen
+    process.send_signal(signal.SIGINT)
+    rest, _ = process.communicate(timeout=60)
+    assert process.returncode == 130 and "interrupted" in rest
