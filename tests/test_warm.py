@@ -85,3 +85,17 @@ def test_a_warm_child_takes_ctrl_c(probe) -> None:
     process.send_signal(signal.SIGINT)
     rest, _ = process.communicate(timeout=60)
     assert process.returncode == 130 and "interrupted" in rest
+
+
+def test_a_server_started_under_a_startup_variable_is_replaced(probe, monkeypatch) -> None:
+    """A test that set a startup variable when the forkserver started (a pool of an in-process
+    run under the sanitizer, say) leaves a server later commands cannot fork from: the next
+    warm command starts another under this process's environment."""
+    command, env, cwd = probe
+    monkeypatch.setenv("TORCH_WARM_PROBE", "1")
+    warm.forkserver.stop()
+    first = warm.run(command, cwd=cwd, env={**env, "TORCH_WARM_PROBE": "1"}, timeout=120)
+    assert _fields(first.stdout)["torch-before"] == "True"
+    monkeypatch.delenv("TORCH_WARM_PROBE")
+    later = warm.run(command, cwd=cwd, env=env, timeout=120)
+    assert _fields(later.stdout)["torch-before"] == "True", "forked from a new server"

@@ -131,21 +131,14 @@ def start(
     environ = dict(os.environ if env is None else env)
     module_args = _module_command(command)
     if module_args is not None and environ.get(COLD_VARIABLE) != "1":
-        folder = Path(tempfile.mkdtemp(prefix="warm-"))
-        process = _context().Process(
-            target=_child,
-            args=(module_args, str(cwd), environ, _base_path(), str(folder), merge_stderr),
-        )
-        process.start()
-        # The child decides within milliseconds whether it may run here (its inherited
-        # environment against this one) and says so with a file; then it is this command's.
-        while process.exitcode is None and not (folder / "started").exists():
-            time.sleep(0.005)
-        if (folder / "started").exists():
-            return WarmProcess(process, folder)
-        shutil.rmtree(folder, ignore_errors=True)
-        if process.exitcode != _NEEDS_FRESH:
-            raise RuntimeError(f"a warm child of {command} ended before it started: {process}")
+        warm = _fork(command, module_args, cwd, environ, merge_stderr)
+        if warm is None and _startup(environ) == _startup(os.environ):
+            # The server started under another environment (a test had set a startup
+            # variable then): start one under this process's, as the command's is.
+            forkserver.stop()
+            warm = _fork(command, module_args, cwd, environ, merge_stderr)
+        if warm is not None:
+            return warm
     return subprocess.Popen(
         list(command),
         cwd=cwd,
@@ -154,6 +147,37 @@ def start(
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         text=True,
     )
+
+
+def _fork(
+    command: Sequence[str],
+    module_args: list[str],
+    cwd: str | Path,
+    environ: dict[str, str],
+    merge_stderr: bool,
+) -> WarmProcess | None:
+    """The command forked from the server; None when it needs a fresh interpreter."""
+    folder = Path(tempfile.mkdtemp(prefix="warm-"))
+    process = _context().Process(
+        target=_child,
+        args=(module_args, str(cwd), environ, _base_path(), str(folder), merge_stderr),
+    )
+    process.start()
+    # The child decides within milliseconds whether it may run here (its inherited
+    # environment against this one) and says so with a file; then it is this command's.
+    while process.exitcode is None and not (folder / "started").exists():
+        time.sleep(0.005)
+    if (folder / "started").exists():
+        return WarmProcess(process, folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    if process.exitcode != _NEEDS_FRESH:
+        raise RuntimeError(f"a warm child of {command} ended before it started: {process}")
+    return None
+
+
+def _startup(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``environ`` that act while an interpreter or torch start."""
+    return {k: v for k, v in environ.items() if _STARTUP.match(k) and k not in _APPLIED}
 
 
 def run(
@@ -218,8 +242,7 @@ def _child(
     os.dup2(err, 2)
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", closefd=False, errors="backslashreplace", buffering=1)
-    startup = {k for k in {*os.environ, *environ} if _STARTUP.match(k) and k not in _APPLIED}
-    if any(os.environ.get(k) != environ.get(k) for k in startup):
+    if _startup(os.environ) != _startup(environ):
         os._exit(_NEEDS_FRESH)
     Path(folder, "started").touch()
     os.chdir(cwd)
