@@ -76,12 +76,8 @@ def test_a_warm_child_takes_ctrl_c(probe) -> None:
     command, env, cwd = probe
     process = warm.start(command, cwd=cwd, env={**env, "WARM_PROBE_WAIT": "1"})
     assert isinstance(process, warm.WarmProcess)
-    seen = []
-    for line in warm.lines(process, timeout=60):
-        seen.append(line)
-        if line == "waiting\n":
-            break
-    assert seen and seen[-1] == "waiting\n", seen
+    seen = [process.readline(timeout=60) for _ in range(5)]  # cwd, path0, torch, var, waiting
+    assert seen[-1] == "waiting\n", seen
     process.send_signal(signal.SIGINT)
     rest, _ = process.communicate(timeout=60)
     assert process.returncode == 130 and "interrupted" in rest

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -203,8 +203,6 @@ def _module_command(command: Sequence[str]) -> list[str] | None:
     """``[module, *args]`` of ``python -m module args`` in this interpreter; None otherwise."""
     if len(command) >= 3 and command[0] == sys.executable and command[1] == "-m":
         return list(command[2:])
-    if len(command) >= 2 and command[0] == sys.executable and command[1].startswith("-m"):
-        return [command[1][2:], *command[2:]]
     return None
 
 
@@ -313,17 +311,3 @@ def runpytest(pytester: pytest.Pytester, *args: str, timeout: float) -> pytest.R
         done.stderr.splitlines(),
         time.monotonic() - began,
     )
-
-
-def lines(process: WarmProcess | subprocess.Popen[str], timeout: float) -> Iterator[str]:
-    """Standard output line by line as the process writes it, until it ends or ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if isinstance(process, WarmProcess):
-            line = process.readline(timeout=max(0.0, deadline - time.monotonic()))
-        else:
-            assert process.stdout is not None
-            line = process.stdout.readline()
-        if not line:
-            return
-        yield line
