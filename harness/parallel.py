@@ -6,8 +6,9 @@ process that imported torch, the harness and FSDP2 once and never touches CUDA, 
 starts with them imported - about 2.5 s of CPU each on the 2-core CPU machine - and pools of
 later passes (``mutation-score --repeat-correct``) start at once. Never forked from the parent:
 a child forked from a process that initialised CUDA cannot use it. Each worker takes the
-parent's environment variables, current directory and import path as they are when its pool
-is made (``use_share``), as a spawned one would, whenever the forkserver started.
+parent's environment variables, current directory, import path and CPU affinity as they are
+when its pool is made (``use_share``), as a spawned one would, whenever the forkserver started;
+its intra-op threads are its share of the cores that affinity allows.
 On CUDA several workers share the GPU, each with its own context; every check reads only its
 own process's state (allocator statistics, profiler, sync guard), so cases do not disturb each
 other, only their timing.
@@ -27,11 +28,12 @@ from typing import Any
 import torch
 
 from harness import forkserver, sanitizer
+from harness.settings import usable_cores
 
 
 def threads_per_worker(jobs: int) -> int:
     """Intra-op threads of one of ``jobs`` workers: more would spin against the others'."""
-    return max(1, (os.cpu_count() or 1) // jobs)
+    return max(1, usable_cores() // jobs)
 
 
 @dataclass(frozen=True)
@@ -41,19 +43,25 @@ class Inherited:
     environ: dict[str, str]
     cwd: str
     path: list[str]
+    cores: frozenset[int] | None = None
+    """The parent's CPU affinity (None where the platform has none): a server started before
+    the parent was confined (``taskset``, a test's share) would fork workers with its own."""
 
     @classmethod
     def now(cls) -> Inherited:
-        return cls(dict(os.environ), os.getcwd(), list(sys.path))
+        cores = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return cls(dict(os.environ), os.getcwd(), list(sys.path), cores)
 
     def adopt(self) -> None:
-        """Make this process's environment, directory and import path the parent's; enable
-        the CUDA stream sanitizer if it is on (torch enables it from the variable only at
-        import, which in a forked worker was before)."""
+        """Make this process's environment, directory, import path and CPU affinity the
+        parent's; enable the CUDA stream sanitizer if it is on (torch enables it from the
+        variable only at import, which in a forked worker was before)."""
         os.environ.clear()
         os.environ.update(self.environ)
         os.chdir(self.cwd)
         sys.path[:] = self.path
+        if self.cores is not None:
+            os.sched_setaffinity(0, self.cores)
         if self.environ.get("TORCH_CUDA_SANITIZER") == "1":
             sanitizer.enable()
 

@@ -33,6 +33,9 @@ class SettingError(ValueError):
 
 MATRIX_CHOICES: tuple[str, ...] = tuple(MATRICES)
 
+CUDA_JOBS_CAP = 12
+"""The most workers ``--jobs`` defaults to on CUDA (each holds a CUDA context on the one GPU)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Option:
@@ -105,8 +108,9 @@ _OPTIONS: tuple[Option, ...] = (
     Option(
         dest="jobs",
         metavar="N",
-        help="worker processes (default: one per core on cpu, 1 on cuda; on cuda N workers "
-        "share the GPU, each with its own context and cpu_count // N threads)",
+        help="worker processes (default: one per usable core on cpu; on cuda three per four "
+        f"cores, at most {CUDA_JOBS_CAP}: the N workers share the GPU, each with its own "
+        "context; every worker gets cores // N intra-op threads)",
     ),
     Option(
         dest="cuda_sanitizer",
@@ -213,8 +217,15 @@ def resolve_model_size(text: str, device: torch.device) -> str:
     return _choice("model-size", text, ("auto", *MODEL_SIZES))
 
 
-CUDA_JOBS_CAP = 12
-"""The most workers ``--jobs`` defaults to on CUDA (each holds a CUDA context on the one GPU)."""
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the platform has one (a
+    ``taskset``, a container's or a batch scheduler's cpuset), else ``os.cpu_count()``. Worker
+    counts and thread shares are taken from it, so a run confined to 4 of 64 cores spins 4
+    threads, not 64."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    if affinity is not None:
+        return max(1, len(affinity(0)))
+    return os.cpu_count() or 1
 
 
 def default_jobs(device: torch.device) -> int:
@@ -224,7 +235,7 @@ def default_jobs(device: torch.device) -> int:
     12 workers beat 8 and 16 on the full matrix (189 s, against 200 s with 16), the default
     case files (39 s, against 41 and 43 s) and ``run`` (28 s, against 30 s).
     ``offload-harness run`` and pytest's ``-n auto`` both use it."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     return max(1, min(CUDA_JOBS_CAP, cores * 3 // 4)) if device.type == "cuda" else cores
 
 

@@ -82,7 +82,7 @@ def test_n_auto_on_cuda_starts_runs_default_workers(
             return device if name == "device" else default
 
     monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr("harness.settings.usable_cores", lambda: 16)
     monkeypatch.setattr(
         settings, "resolve_device", lambda text: torch.device(text, 0 if text == "cuda" else None)
     )

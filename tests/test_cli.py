@@ -363,9 +363,27 @@ def test_jobs(jobs: int | None, device: str, cases: int, expected: int) -> None:
 def test_jobs_default_on_cpu_is_one_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
     from harness.settings import resolve_jobs
 
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr("harness.settings.usable_cores", lambda: 16)
     assert resolve_jobs(None, torch.device("cpu"), 21) == 16
     assert resolve_jobs(None, torch.device("cpu"), 5) == 5
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_jobs_and_threads_follow_the_cpu_affinity() -> None:
+    """A process confined to one core (``taskset -c N``, a cpuset) gets one worker and one
+    thread per worker, however many cores the machine has."""
+    from harness.parallel import threads_per_worker
+    from harness.settings import default_jobs, usable_cores
+
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        assert usable_cores() == 1
+        assert default_jobs(torch.device("cpu")) == 1
+        assert threads_per_worker(1) == 1
+    finally:
+        os.sched_setaffinity(0, before)
+    assert usable_cores() == len(before)
 
 
 @pytest.mark.parametrize(
@@ -376,9 +394,9 @@ def test_jobs_default_on_cuda_is_three_per_four_cores_up_to_12(
 ) -> None:
     from harness.settings import resolve_jobs
 
-    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    monkeypatch.setattr("harness.settings.usable_cores", lambda: cores)
     assert resolve_jobs(None, torch.device("cuda", 0), cases) == expected
-    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    monkeypatch.setattr("harness.settings.usable_cores", lambda: 1)
     assert resolve_jobs(None, torch.device("cuda", 0), cases) == 1
 
 
@@ -386,11 +404,13 @@ def test_jobs_default_on_cuda_is_three_per_four_cores_up_to_12(
 def test_run_on_cuda_takes_jobs_without_initialising_cuda(
     jobs: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``run --device cuda --jobs 4`` is accepted: 4 workers on cuda:0 (1 without --jobs), and
-    nothing up to the spawn initialises CUDA in the parent."""
+    """``run --device cuda --jobs 4`` is accepted: 4 workers on cuda:0 (without --jobs, three
+    per four of the 16 cores this test pretends to have, at most 12), and nothing up to the
+    spawn initialises CUDA in the parent."""
     import harness.cli
 
     _fake_cuda(monkeypatch)
+    monkeypatch.setattr("harness.settings.usable_cores", lambda: 16)
     seen: dict[str, Any] = {}
 
     def run_cases(cases: list[Any], env: Any, *, jobs: int, **kwargs: Any) -> None:
@@ -404,7 +424,7 @@ def test_run_on_cuda_takes_jobs_without_initialising_cuda(
     assert seen == {
         "cases": len(default_matrix()),
         "device": torch.device("cuda", 0),
-        "jobs": 4 if jobs else 1,
+        "jobs": 4 if jobs else 12,
         "size": "small",
     }
 
@@ -478,7 +498,7 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
     devices: list[torch.device] = []
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr("harness.parallel.usable_cores", lambda: 16)
     harness.parallel.use_share(*pool["initargs"])
     harness.parallel.use_share(4, torch.device("cpu"))
     harness.parallel.use_share(32)
@@ -496,7 +516,7 @@ def mutation_score() -> Any:
 @pytest.mark.parametrize(
     ("argv", "device", "jobs"),
     [
-        (["--device", "cuda"], torch.device("cuda", 0), 1),
+        (["--device", "cuda"], torch.device("cuda", 0), 12),
         (["--device", "cuda", "--jobs", "8"], torch.device("cuda", 0), 8),
         (["--device", "cuda:0", "--jobs", "4"], torch.device("cuda", 0), 4),
         (["--device", "cpu", "--jobs", "2"], torch.device("cpu"), 2),
@@ -509,9 +529,11 @@ def test_mutation_score_jobs_on_cuda(
     device: torch.device,
     jobs: int,
 ) -> None:
-    """``--jobs N`` is accepted on CUDA (default 1) and reaches ``repeat_correct`` with the
-    device the workers use; the parent never initialises CUDA."""
+    """``--jobs N`` is accepted on CUDA (default: three per four of the 16 cores this test
+    pretends to have, at most 12) and reaches ``repeat_correct`` with the device the workers
+    use; the parent never initialises CUDA."""
     _fake_cuda(monkeypatch)
+    monkeypatch.setattr("harness.settings.usable_cores", lambda: 16)
     seen: list[tuple[Any, ...]] = []
     monkeypatch.setattr(mutation_score, "repeat_correct", lambda *args: seen.append(args) or 0)
     assert mutation_score.main([*argv, "--repeat-correct", "20"]) == 0

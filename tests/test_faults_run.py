@@ -136,7 +136,8 @@ def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> Non
         stderr=subprocess.STDOUT,
         text=True,
         # as a terminal starts it: this session may run where SIGINT is ignored (a shell's
-        # background job), which the child would inherit and never see the Ctrl-C
+        # background job), which the child would inherit and never see the Ctrl-C; on this
+        # test process's share of the cores (tests/warm.py)
         preexec_fn=_sigint_default,
     )
     # Workers spawned, cases running: the first case's progress line (flushed as it finishes;
@@ -176,6 +177,7 @@ def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> Non
 
 def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    warm.confine()
 
 
 def _ignores_sigint(pid: int) -> bool | None:

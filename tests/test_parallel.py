@@ -43,6 +43,29 @@ def test_a_worker_inherits_what_the_parent_has_when_its_pool_is_made(
     assert seen == ("later", str(tmp_path), True, False)
 
 
+def _cores_and_threads() -> tuple[int, int]:
+    from harness.settings import usable_cores
+
+    return usable_cores(), torch.get_num_threads()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_a_worker_runs_on_the_parents_cores_with_its_share_of_threads() -> None:
+    """The forkserver started unconfined; a pool made while the parent is confined to one core
+    (``taskset -c N``, a test's share) forks workers on that core, each with one thread - not
+    one per core of the machine, spinning against the others'."""
+    with worker_pool(1) as pool:  # starts the forkserver (if no earlier test did)
+        pool.submit(os.getpid).result()
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        with worker_pool(2) as pool:
+            seen = {pool.submit(_cores_and_threads).result() for _ in range(4)}
+    finally:
+        os.sched_setaffinity(0, before)
+    assert seen == {(1, 1)}
+
+
 def _rows() -> tuple:
     rows = default_matrix()
     by_key: dict[str, list] = {}

@@ -18,6 +18,9 @@ print("cwd", os.getcwd())
 print("path0", sys.path[0])
 print("torch-before", "torch" in sys.modules)
 print("var", os.environ.get("WARM_PROBE_VAR"))
+print("cores", sorted(os.sched_getaffinity(0)))
+if "torch" in sys.modules:
+    print("threads", sys.modules["torch"].get_num_threads())
 print("to stderr", file=sys.stderr)
 if os.environ.get("WARM_PROBE_WAIT"):
     print("waiting", flush=True)
@@ -72,11 +75,31 @@ def test_a_variable_read_at_startup_gets_a_fresh_interpreter(probe) -> None:
     assert _fields(cold.stdout)["torch-before"] == "False"
 
 
+def test_a_child_runs_on_this_xdist_workers_share_of_the_cores(
+    probe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker gw1 of 2 gives its children every second core from the second (the one core
+    there is on a 1-core machine), warm or fresh, and a warm child as many threads: the
+    children of two workers do not spin against each other."""
+    command, env, cwd = probe
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    cores = sorted(os.sched_getaffinity(0))
+    expected = cores[1::2] if len(cores) >= 2 else cores
+    assert sorted(warm.share()) == expected
+    forked = _fields(warm.run(command, cwd=cwd, env=env, timeout=120).stdout)
+    assert forked["torch-before"] == "True"
+    assert (forked["cores"], forked["threads"]) == (str(expected), str(len(expected))), forked
+    fresh = warm.run(command, cwd=cwd, env={**env, warm.COLD_VARIABLE: "1"}, timeout=120)
+    assert _fields(fresh.stdout)["cores"] == str(expected)
+
+
 def test_a_warm_child_takes_ctrl_c(probe) -> None:
     command, env, cwd = probe
     process = warm.start(command, cwd=cwd, env={**env, "WARM_PROBE_WAIT": "1"})
     assert isinstance(process, warm.WarmProcess)
-    seen = [process.readline(timeout=60) for _ in range(5)]  # cwd, path0, torch, var, waiting
+    # cwd, path0, torch-before, var, cores, threads, waiting
+    seen = [process.readline(timeout=60) for _ in range(7)]
     assert seen[-1] == "waiting\n", seen
     process.send_signal(signal.SIGINT)
     rest, _ = process.communicate(timeout=60)

@@ -15,6 +15,13 @@ server instead of starting a second one.
 What a fork cannot show keeps a fresh interpreter: a command that is not ``python -m ...``, and
 an environment that changes a variable read while the interpreter or torch start (``_STARTUP``,
 ``ATEN_CPU_CAPABILITY`` for one) - ``run`` and ``start`` hand those to ``subprocess`` as they are.
+
+Either way the child runs on this test process's share of the cores (``share``: under pytest-xdist,
+worker i of n takes every n-th core from the i-th), as its CPU affinity, with as many intra-op
+threads: the harness sizes its workers and threads by the affinity (``settings.usable_cores``), so
+n workers' children do not each spin one thread per core of the machine against the others' (on
+the 16-core H200 box under 6 workers a tiny case took 52 s that way, and a 5 s case timeout ran
+out before the case reached what it tested).
 """
 
 from __future__ import annotations
@@ -129,14 +136,15 @@ def start(
     """``command`` started as ``subprocess.Popen(command, cwd=cwd, env=env, text=True)`` with
     piped output would start it: forked warm where it can be, else exactly so."""
     environ = dict(os.environ if env is None else env)
+    cores = share()
     module_args = _module_command(command)
     if module_args is not None and environ.get(COLD_VARIABLE) != "1":
-        warm = _fork(command, module_args, cwd, environ, merge_stderr)
+        warm = _fork(command, module_args, cwd, environ, merge_stderr, cores)
         if warm is None and _startup(environ) == _startup(os.environ):
             # The server started under another environment (a test had set a startup
             # variable then): start one under this process's, as the command's is.
             forkserver.stop()
-            warm = _fork(command, module_args, cwd, environ, merge_stderr)
+            warm = _fork(command, module_args, cwd, environ, merge_stderr, cores)
         if warm is not None:
             return warm
     return subprocess.Popen(
@@ -146,7 +154,29 @@ def start(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         text=True,
+        preexec_fn=confine,
     )
+
+
+def share() -> set[int]:
+    """The cores this test process's children run on: under pytest-xdist worker i of n, every
+    n-th of this process's cores from the i-th (the i-th modulo the cores where there are fewer
+    than n); else all of them."""
+    cores = sorted(os.sched_getaffinity(0))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count <= 1:
+        return set(cores)
+    index = int(worker.removeprefix("gw"))
+    if len(cores) < count:
+        return {cores[index % len(cores)]}
+    return set(cores[index::count])
+
+
+def confine() -> None:
+    """``preexec_fn`` of a fresh child: ``share``'s cores as its CPU affinity (torch then starts
+    with as many intra-op threads)."""
+    os.sched_setaffinity(0, share())
 
 
 def _fork(
@@ -155,12 +185,13 @@ def _fork(
     cwd: str | Path,
     environ: dict[str, str],
     merge_stderr: bool,
+    cores: set[int],
 ) -> WarmProcess | None:
     """The command forked from the server; None when it needs a fresh interpreter."""
     folder = Path(tempfile.mkdtemp(prefix="warm-"))
     process = _context().Process(
         target=_child,
-        args=(module_args, str(cwd), environ, _base_path(), str(folder), merge_stderr),
+        args=(module_args, str(cwd), environ, _base_path(), str(folder), merge_stderr, cores),
     )
     process.start()
     # The child decides within milliseconds whether it may run here (its inherited
@@ -232,8 +263,11 @@ def _child(
     base_path: tuple[str, ...],
     folder: str,
     merge_stderr: bool,
+    cores: set[int],
 ) -> None:
-    """In the forked child: become ``python -m module args`` in ``cwd`` with ``environ``."""
+    """In the forked child: become ``python -m module args`` in ``cwd`` with ``environ``, on
+    ``cores`` with as many intra-op threads (what a fresh interpreter's torch would start with
+    under that affinity; the server's torch counted every core)."""
     out = os.open(os.path.join(folder, "stdout"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     err = out if merge_stderr else os.open(os.path.join(folder, "stderr"), os.O_WRONLY | os.O_CREAT)
     os.dup2(out, 1)
@@ -243,6 +277,10 @@ def _child(
     if _startup(os.environ) != _startup(environ):
         os._exit(_NEEDS_FRESH)
     Path(folder, "started").touch()
+    import torch  # the server's preload: imported already
+
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)

@@ -17,20 +17,20 @@ each broken offloader runs with the race delays its catalogue entry names (``--r
 none`` turns them off; ``d2h=N,h2d=N,compute=N`` sets them for all). Exit code 0 when every
 broken offloader was caught (or, with ``--repeat-correct``, when no pass raised an alarm).
 
-``--jobs N`` runs N worker processes (``harness.parallel``; default: one per core on CPU, 1 on
-CUDA), each with cpu_count // N intra-op threads. On CUDA the N workers share the one GPU, each
-with its own CUDA context on the same device (``cuda`` or ``cuda:<index>``); the parent never
-initialises CUDA. Cases are independent and every check reads its own process's state
-(allocator stats, profiler, sync guard), so only their timing changes. ``--repeat-correct``
-keeps one pool for all passes and queues them back to back; each pass line gives the wall time
-since the previous pass ended (with one job: the pass's own time), the last line the total wall
-time and case runs.
+``--jobs N`` runs N worker processes (``harness.parallel``; default ``settings.default_jobs``: one
+per usable core on CPU, three per four cores up to 12 on CUDA), each with cores // N intra-op
+threads (``settings.usable_cores``: the process's CPU affinity). On CUDA the N workers share the one
+GPU, each with its own CUDA context on the same device (``cuda`` or ``cuda:<index>``); the parent
+never initialises CUDA. Cases are independent and every check reads its own process's state
+(allocator stats, profiler, sync guard), so only their timing changes. ``--repeat-correct`` keeps
+one pool for all passes and queues them back to back; each pass line gives the wall time since the
+previous pass ended (with one job: the pass's own time), the last line the total wall time and case
+runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +44,7 @@ from harness.execute import Environment
 from harness.judge import judge
 from harness.offload.backends import parse_race_delays, resolve_backend, with_delays
 from harness.offload.broken import CATALOGUE, NO_DELAYS, BrokenBackend, entry
-from harness.parallel import run_ordered, worker_pool
+from harness.parallel import run_ordered, threads_per_worker, worker_pool
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def run_correct_case(case: Case, device: str, model_size: str, threads: int) -> 
 
 def repeat_correct(passes: int, device: torch.device, model_size: str, jobs: int) -> int:
     rows = default_matrix()
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    threads = threads_per_worker(jobs)
     calls: list[tuple[object, ...]] = [(row, str(device), model_size, threads) for row in rows]
     print(
         f"{passes} passes x {len(rows)} cases on {device}, {jobs} job(s) x {threads} thread(s)",
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     for broken in selected:
         resolve_backend(_backend(broken, device, args.race_delays))
     jobs = min(jobs, len(selected))
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    threads = threads_per_worker(jobs)
     began = time.perf_counter()
     calls = [(b.name, str(device), size, args.race_delays, threads) for b in selected]
     outcomes: list[Outcome] = run_ordered(score_one, calls, jobs=jobs)

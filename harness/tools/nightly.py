@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -105,7 +104,7 @@ def command(args: argparse.Namespace, gpus: int, name: str) -> list[str]:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         launcher += [f"--nproc-per-node={gpus}", "-m", "pytest"]
         return [*launcher, *pytest_args, "--device", "cuda"]
-    jobs = args.jobs or os.cpu_count() or 1
+    jobs = args.jobs or settings.usable_cores()
     return [sys.executable, "-m", "pytest", *pytest_args, "--device", "cpu", "-n", str(jobs)]
 
 
