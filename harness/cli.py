@@ -42,6 +42,7 @@ from harness.offload.backends import (
     backend_unavailable,
     describe,
 )
+from harness.parallel import threads_per_worker
 from harness.plots import preload_plotting
 from harness.report import (
     claim_run_folder,
@@ -272,6 +273,15 @@ def command_run(args: argparse.Namespace) -> int:
     note = missing_bytecode(sys.modules["torch"])
     if note:
         print(f"note: {note}")
+
+    def on_start(workers: int) -> None:
+        threads = threads_per_worker(workers)
+        print(
+            f"running {len(cases)} case(s) on {env.device} ({env.model_size} models): "
+            f"{workers} worker(s) x {threads} thread(s)",
+            flush=True,
+        )
+
     try:
         status = run_cases(
             cases,
@@ -281,6 +291,7 @@ def command_run(args: argparse.Namespace) -> int:
             folder=folder,
             on_record=on_record,
             update_golden=args.update_golden,
+            on_start=on_start,
         )
     except KeyboardInterrupt:
         status = "interrupted"

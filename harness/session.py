@@ -113,9 +113,11 @@ def run_cases(
     folder: Path | None,
     on_record: Callable[[int, dict[str, Any], float], None],
     update_golden: bool = False,
+    on_start: Callable[[int], None] | None = None,
 ) -> str:
-    """Run every case (see the module docstring); ``on_record(index, record, seconds)`` as each
-    ends. Returns ``complete`` or ``timed-out``; Ctrl-C propagates after the workers are gone."""
+    """Run every case (see the module docstring); ``on_start(workers)`` once the first pool's
+    cases are queued, ``on_record(index, record, seconds)`` as each ends. Returns ``complete``
+    or ``timed-out``; Ctrl-C propagates after the workers are gone."""
     stacks = (folder / "stacks") if folder is not None else Path(tempfile.mkdtemp("-stacks"))
     stacks.mkdir(parents=True, exist_ok=True)
     dumps = {i: stacks / f"{slug(case.name)}.txt" for i, case in enumerate(cases)}
@@ -137,7 +139,8 @@ def run_cases(
 
     while pending:
         bundles = _bundles(cases, env, pending)
-        pool = worker_pool(min(jobs, len(bundles)), env.device)
+        workers = min(jobs, len(bundles))
+        pool = worker_pool(workers, env.device)
         futures: dict[Future[Any], list[int]] = {}
         for bundle in bundles:
             for index in bundle:
@@ -150,6 +153,9 @@ def run_cases(
                 [str(dumps[i]) for i in bundle],
             )
             futures[pool.submit(run_bundle, *call)] = bundle
+        if on_start is not None:
+            on_start(workers)
+            on_start = None
         broken = False
         try:
             for future in as_completed(futures):

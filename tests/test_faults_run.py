@@ -128,8 +128,7 @@ RUN_FULL = (sys.executable, "-m", "harness", "run", "--device", "cpu", "--matrix
 @pytest.mark.heavy
 def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> None:
     process = subprocess.Popen(
-        # The full matrix: cases still to run whenever the signal comes (the default's 21 can
-        # all be done before a loaded machine lets this test read the first progress line)
+        # The full matrix: cases still to run whenever the signal comes
         [*RUN_FULL, "--report-dir", "r"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -140,22 +139,27 @@ def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> Non
         # test process's share of the cores (tests/warm.py)
         preexec_fn=_sigint_default,
     )
-    # Workers spawned, cases running: the first case's progress line (flushed as it finishes;
-    # the others are still running), not a fixed sleep that must outlast a loaded machine.
+    # Cases running: the run's start line (its pool made, the cases queued) and a worker
+    # forked by the run's forkserver - not a fixed sleep that must outlast a loaded machine,
+    # nor a finished case, which would cost this test one of the matrix's longest cases.
     assert process.stdout is not None
     seen: list[str] = []
     watchdog = threading.Timer(120, process.kill)  # a run that never prints ends the reads
     watchdog.start()
     try:
-        while not (seen and seen[-1].startswith("[1/")):
+        while not (seen and seen[-1].startswith("running ")):
             line = process.stdout.readline()
-            assert line, "the run ended before a case finished:\n" + "".join(seen)
+            assert line, "the run ended before its cases started:\n" + "".join(seen)
             seen.append(line)
+        workers: list[int] = []
+        deadline = time.monotonic() + 60
+        while not workers and time.monotonic() < deadline and process.poll() is None:
+            workers = [w for c in _children(process.pid) for w in _children(c)]
+            time.sleep(0.05)
     finally:
         watchdog.cancel()
-    children = subprocess.run(
-        ["pgrep", "-P", str(process.pid)], capture_output=True, text=True
-    ).stdout.split()
+    assert workers, "no worker process was running:\n" + "".join(seen)
+    children = _children(process.pid)
     assert process.poll() is None, "the run ended before the signal:\n" + "".join(seen)
     ignored = _ignores_sigint(process.pid)  # inherited SIG_IGN: Python then never raises
     began = time.perf_counter()
@@ -169,10 +173,14 @@ def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> Non
     summary = _summary(tmp_path / "r")
     assert summary["status"] == "interrupted"
     assert len(summary["cases"]) < len(matrix("full"))
-    assert children, "no worker processes were running"
     time.sleep(0.5)
-    alive = [pid for pid in children if _running(int(pid))]
-    assert not alive, f"workers outlived the interrupted run: {alive}"
+    alive = [pid for pid in [*children, *workers] if _running(pid)]
+    assert not alive, f"the forkserver or workers outlived the interrupted run: {alive}"
+
+
+def _children(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(child) for child in found.split()]
 
 
 def _sigint_default() -> None:
