@@ -31,6 +31,7 @@ how the wrapper's coverage is tested without a GPU.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -139,7 +140,7 @@ class SyncGuard:
             self._explicit.clear()
             if self.cuda:
                 self._previous_mode = torch.cuda.get_sync_debug_mode()
-                torch.cuda.set_sync_debug_mode("error")
+                _set_sync_debug_mode("error")
             _LIVE.append(self)
         self._stack.append(where)
         return True
@@ -200,9 +201,19 @@ class SyncGuard:
 
     def _disarm_detectors(self) -> None:
         if self.cuda:
-            torch.cuda.set_sync_debug_mode(self._previous_mode)
+            _set_sync_debug_mode(self._previous_mode)
         if self in _LIVE:
             _LIVE.remove(self)
+
+
+def _set_sync_debug_mode(mode: int | str) -> None:
+    """``torch.cuda.set_sync_debug_mode`` without its warning that the mode is a prototype: the
+    guard chose it knowingly, and the warning printed once per worker says nothing to a user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="Synchronization debug mode is a prototype", category=UserWarning
+        )
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -62,6 +62,9 @@ COLD_VARIABLE = "OFFLOAD_HARNESS_TESTS_COLD"
 """Set to 1, every command starts in a fresh interpreter (to tell a fork's effect from the
 command's own when a test fails)."""
 
+_AFFINITY = hasattr(os, "sched_setaffinity")
+"""Whether this platform sets a process's CPU affinity (Linux does)."""
+
 _NEEDS_FRESH = 223
 """The exit status of a child whose environment needs a fresh interpreter (nothing ran)."""
 
@@ -161,7 +164,9 @@ def start(
 def share() -> set[int]:
     """The cores this test process's children run on: under pytest-xdist worker i of n, every
     n-th of this process's cores from the i-th (the i-th modulo the cores where there are fewer
-    than n); else all of them."""
+    than n); else all of them (every core where the platform has no affinity)."""
+    if not _AFFINITY:
+        return set(range(os.cpu_count() or 1))
     cores = sorted(os.sched_getaffinity(0))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
@@ -176,7 +181,8 @@ def share() -> set[int]:
 def confine() -> None:
     """``preexec_fn`` of a fresh child: ``share``'s cores as its CPU affinity (torch then starts
     with as many intra-op threads)."""
-    os.sched_setaffinity(0, share())
+    if _AFFINITY:
+        os.sched_setaffinity(0, share())
 
 
 def _fork(
@@ -279,7 +285,8 @@ def _child(
     Path(folder, "started").touch()
     import torch  # the server's preload: imported already
 
-    os.sched_setaffinity(0, cores)
+    if _AFFINITY:
+        os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
     os.chdir(cwd)
     os.environ.clear()
