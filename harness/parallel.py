@@ -16,6 +16,7 @@ other, only their timing.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -61,7 +62,9 @@ class Inherited:
         os.chdir(self.cwd)
         sys.path[:] = self.path
         if self.cores is not None:
-            os.sched_setaffinity(0, self.cores)
+            # a mask this process may not take (a cpuset changed since) leaves its own
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, self.cores)
         if self.environ.get("TORCH_CUDA_SANITIZER") == "1":
             sanitizer.enable()
 
