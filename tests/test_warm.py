@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -96,7 +97,8 @@ def test_a_child_runs_on_this_xdist_workers_share_of_the_cores(
 
 def test_a_warm_child_takes_ctrl_c(probe) -> None:
     command, env, cwd = probe
-    process = warm.start(command, cwd=cwd, env={**env, "WARM_PROBE_WAIT": "1"})
+    # as a terminal starts it, also where this session ignores SIGINT (a background job)
+    process = warm.start(command, cwd=cwd, env={**env, "WARM_PROBE_WAIT": "1"}, interruptible=True)
     assert isinstance(process, warm.WarmProcess)
     # cwd, path0, torch-before, var, cores, threads, waiting
     seen = [process.readline(timeout=60) for _ in range(7)]
@@ -104,6 +106,38 @@ def test_a_warm_child_takes_ctrl_c(probe) -> None:
     process.send_signal(signal.SIGINT)
     rest, _ = process.communicate(timeout=60)
     assert process.returncode == 130 and "interrupted" in rest
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "fresh"])
+@pytest.mark.parametrize("interruptible", [False, True], ids=["inherited", "interruptible"])
+def test_a_child_of_a_session_that_ignores_ctrl_c(probe, cold: bool, interruptible: bool) -> None:
+    """Started from a process that ignores SIGINT (a shell's background job), a command ignores
+    it too, warm as fresh, as a fresh interpreter inherits it; ``interruptible`` starts it as a
+    terminal would, taking Ctrl-C all the same."""
+    command, env, cwd = probe
+    env = {**env, "WARM_PROBE_WAIT": "1", **({warm.COLD_VARIABLE: "1"} if cold else {})}
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        process = warm.start(command, cwd=cwd, env=env, interruptible=interruptible)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert isinstance(process, warm.WarmProcess) != cold
+    try:
+        read = process.readline if not cold else lambda timeout: process.stdout.readline()
+        seen = [read(timeout=60)]
+        while seen[-1] not in ("waiting\n", ""):  # no "threads" line where torch is not in
+            seen.append(read(timeout=60))
+        assert seen[-1] == "waiting\n", seen
+        process.send_signal(signal.SIGINT)
+        if interruptible:
+            rest, _ = process.communicate(timeout=60)
+            assert process.returncode == 130 and "interrupted" in rest
+        else:
+            with pytest.raises(subprocess.TimeoutExpired):
+                process.wait(timeout=1)
+    finally:
+        process.kill()
+        process.wait(timeout=60)
 
 
 def test_a_server_started_under_a_startup_variable_is_replaced(probe, monkeypatch) -> None:

@@ -135,19 +135,23 @@ def start(
     cwd: str | Path,
     env: Mapping[str, str] | None = None,
     merge_stderr: bool = False,
+    interruptible: bool = False,
 ) -> WarmProcess | subprocess.Popen[str]:
     """``command`` started as ``subprocess.Popen(command, cwd=cwd, env=env, text=True)`` with
-    piped output would start it: forked warm where it can be, else exactly so."""
+    piped output would start it: forked warm where it can be, else exactly so. Its SIGINT is
+    ignored where this process ignores it (a shell's background job), as a fresh interpreter's
+    would be, unless ``interruptible``: then at its default, as a terminal starts a command."""
     environ = dict(os.environ if env is None else env)
     cores = share()
+    interruptible = interruptible or signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
     module_args = _module_command(command)
     if module_args is not None and environ.get(COLD_VARIABLE) != "1":
-        warm = _fork(command, module_args, cwd, environ, merge_stderr, cores)
+        warm = _fork(command, module_args, cwd, environ, merge_stderr, cores, interruptible)
         if warm is None and _startup(environ) == _startup(os.environ):
             # The server started under another environment (a test had set a startup
             # variable then): start one under this process's, as the command's is.
             forkserver.stop()
-            warm = _fork(command, module_args, cwd, environ, merge_stderr, cores)
+            warm = _fork(command, module_args, cwd, environ, merge_stderr, cores, interruptible)
         if warm is not None:
             return warm
     return subprocess.Popen(
@@ -157,7 +161,7 @@ def start(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         text=True,
-        preexec_fn=confine,
+        preexec_fn=confine if not interruptible else _confine_interruptible,
     )
 
 
@@ -185,6 +189,11 @@ def confine() -> None:
         os.sched_setaffinity(0, share())
 
 
+def _confine_interruptible() -> None:
+    confine()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _fork(
     command: Sequence[str],
     module_args: list[str],
@@ -192,12 +201,14 @@ def _fork(
     environ: dict[str, str],
     merge_stderr: bool,
     cores: set[int],
+    interruptible: bool,
 ) -> WarmProcess | None:
     """The command forked from the server; None when it needs a fresh interpreter."""
     folder = Path(tempfile.mkdtemp(prefix="warm-"))
     process = _context().Process(
         target=_child,
         args=(module_args, str(cwd), environ, _base_path(), str(folder), merge_stderr, cores),
+        kwargs={"interruptible": interruptible},
     )
     process.start()
     # The child decides within milliseconds whether it may run here (its inherited
@@ -270,10 +281,14 @@ def _child(
     folder: str,
     merge_stderr: bool,
     cores: set[int],
+    *,
+    interruptible: bool,
 ) -> None:
     """In the forked child: become ``python -m module args`` in ``cwd`` with ``environ``, on
     ``cores`` with as many intra-op threads (what a fresh interpreter's torch would start with
-    under that affinity; the server's torch counted every core)."""
+    under that affinity; the server's torch counted every core), raising KeyboardInterrupt on
+    SIGINT if ``interruptible``, else ignoring it (the server's own setting is what the
+    interpreter that started it inherited, not this command's)."""
     out = os.open(os.path.join(folder, "stdout"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     err = out if merge_stderr else os.open(os.path.join(folder, "stderr"), os.O_WRONLY | os.O_CREAT)
     os.dup2(out, 1)
@@ -283,6 +298,7 @@ def _child(
     if _startup(os.environ) != _startup(environ):
         os._exit(_NEEDS_FRESH)
     Path(folder, "started").touch()
+    signal.signal(signal.SIGINT, signal.default_int_handler if interruptible else signal.SIG_IGN)
     import torch  # the server's preload: imported already
 
     if _AFFINITY:
