@@ -24,8 +24,8 @@ if "torch" in sys.modules:
     print("threads", sys.modules["torch"].get_num_threads())
 print("to stderr", file=sys.stderr)
 if os.environ.get("WARM_PROBE_WAIT"):
-    print("waiting", flush=True)
-    try:
+    try:  # before the line the test waits for: a Ctrl-C right after it is caught too
+        print("waiting", flush=True)
         time.sleep(60)
     except KeyboardInterrupt:
         print("interrupted", flush=True)
