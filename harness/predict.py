@@ -351,7 +351,7 @@ def prefetched_before(
     """Offloaded group occurrences already reloaded, ahead of their own backward, when
     ``order[index]`` ends.
 
-    Megatron's rule (``megatron-offload.md`` §1.2 step 10): every group start-backward reloads
+    Megatron-Core's rule, at each group's start of backward: every group start-backward reloads
     the chunk's most recently committed offloaded group still on the host; once the chunk has
     none left, it instead pre-reloads the top one of the next chunk to run backward, if that
     chunk's forward is done. So a backward of a chunk with n groups, k of them offloaded,

@@ -1,4 +1,4 @@
-"""Exact group counts of the post-warmup policies (megatron-offload.md sections 1.2 and 1.5).
+"""Exact group counts of Megatron-Core's post-warmup policies (docs/backends.md, reference).
 
 A tiny fake model opens, per layer, one group per selected name around an op that saves exactly
 one offloadable tensor of ``reps[layer] * WIDTH`` fp32 elements (plus a Parameter, which is never

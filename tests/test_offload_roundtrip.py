@@ -3,7 +3,7 @@
 One group occurrence, driven the way model code drives it: the node under test is a custom
 autograd Function that saves exactly the drawn tensors and hands back, in backward, whatever
 autograd unpacks for them. The expectations (bit patterns, layout, bytes moved) are computed
-here from the drawn tensors' metadata and the rule in megatron-offload.md section 1.3, never read
+here from the drawn tensors' metadata and Megatron-Core's view rule (docs/backends.md), never read
 from the offloader.
 """
 

@@ -1,6 +1,6 @@
 """Rules of the reference offloader: skip rules, forced release, config and backend validation,
 chunk identity under interleaved schedules, warmup source, enable/disable, structure checks and
-pop-once semantics (megatron-offload.md sections 1.2, 1.5, 1.6 and invariants 4-17, 29 of 6).
+pop-once semantics, as Megatron-Core has them (docs/backends.md, "The reference offloader").
 
 Shape suffixes: B batch rows, D hidden width.
 """
