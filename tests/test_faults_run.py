@@ -137,7 +137,7 @@ def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> Non
         # as a terminal starts it: this session may run where SIGINT is ignored (a shell's
         # background job), which the child would inherit and never see the Ctrl-C; on this
         # test process's share of the cores (tests/warm.py)
-        preexec_fn=_sigint_default,
+        preexec_fn=warm.confine_interruptible,
     )
     # Cases running: the run's start line (its pool made, the cases queued) and a worker
     # forked by the run's forkserver - not a fixed sleep that must outlast a loaded machine,
@@ -181,11 +181,6 @@ def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> Non
 def _children(pid: int) -> list[int]:
     found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(child) for child in found.split()]
-
-
-def _sigint_default() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    warm.confine()
 
 
 def _ignores_sigint(pid: int) -> bool | None:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -122,11 +123,13 @@ def test_a_child_of_a_session_that_ignores_ctrl_c(probe, cold: bool, interruptib
     finally:
         signal.signal(signal.SIGINT, before)
     assert isinstance(process, warm.WarmProcess) != cold
+    watchdog = threading.Timer(60, process.kill)  # a child that never says "waiting" ends the reads
+    watchdog.start()
     try:
-        read = process.readline if not cold else lambda timeout: process.stdout.readline()
-        seen = [read(timeout=60)]
+        seen = [process.stdout.readline() if cold else process.readline(timeout=60)]
         while seen[-1] not in ("waiting\n", ""):  # no "threads" line where torch is not in
-            seen.append(read(timeout=60))
+            seen.append(process.stdout.readline() if cold else process.readline(timeout=60))
+        watchdog.cancel()
         assert seen[-1] == "waiting\n", seen
         process.send_signal(signal.SIGINT)
         if interruptible:

@@ -161,7 +161,7 @@ def start(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         text=True,
-        preexec_fn=confine if not interruptible else _confine_interruptible,
+        preexec_fn=confine if not interruptible else confine_interruptible,
     )
 
 
@@ -189,7 +189,8 @@ def confine() -> None:
         os.sched_setaffinity(0, share())
 
 
-def _confine_interruptible() -> None:
+def confine_interruptible() -> None:
+    """``confine``, with SIGINT at its default as a terminal starts a command (a preexec_fn)."""
     confine()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
