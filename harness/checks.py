@@ -20,7 +20,7 @@ import torch
 from harness.cases import Case
 from harness.compare import first_divergence, loss_table
 from harness.execute import CaseRun, Environment, MemoryResult, attribution_mismatches, total
-from harness.predict import SIMPLEST, GroupKey, predict
+from harness.predict import GroupKey, predict
 from harness.repro import case_command
 from harness.spec import ModelSpec, pass_label
 from harness.train import schedule_order
@@ -167,6 +167,13 @@ def leak_problems(case: Case, res: CaseRun) -> list[str]:
 
 def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[str]:
     """Profiler counts equal the prediction and the offloader's log; no pageable or stray copy."""
+    if res.rule is not None and not res.rule.exact:
+        steps = " and ".join(str(s) for s in res.rule.steps)
+        return [
+            f"{res.rule.line}: an offloader that declares no semantics is held to the one rule "
+            f"its steps {steps} show, and none does; where the closest differs:",
+            *_capped(res.step_mismatches() + res.mismatches()),
+        ]
     if not any(e.bytes for e in res.expected.values()):
         return ["the prediction moves nothing in the final step: the case would prove nothing"]
     problems = []
@@ -229,6 +236,11 @@ def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[st
             f"in that step: {_occurrences(copied)}"
         )
     return problems
+
+
+def _capped(lines: list[str], limit: int = 12) -> list[str]:
+    more = len(lines) - limit
+    return lines[:limit] + ([f"... and {more} more"] if more > 0 else [])
 
 
 def _nonzero(counts: dict[str, Counts]) -> dict[str, Counts]:
@@ -323,10 +335,11 @@ def weight_problems(res: CaseRun) -> list[str]:
         f"{steps} of the offload run (of {res.d2h_watched} D2H observed); the first:",
         *(f"  {line}" for line in shown),
     ]
-    if res.semantics is SIMPLEST:
+    if res.semantics.observed:
         problems.append(
-            "  (the backend declares no semantics; one that moves parameters by design declares "
-            "Semantics(skip='none'), and this check then reports its weight copies as n-a)"
+            "  (the backend declares no semantics, and a learned rule never excuses a weight "
+            "copy; one that moves parameters by design declares Semantics(skip='none'), and this "
+            "check then reports its weight copies as n-a)"
         )
     elif res.semantics.skip == "object":
         problems.append(

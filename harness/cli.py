@@ -263,6 +263,9 @@ def command_run(args: argparse.Namespace) -> int:
         records[index] = record
         done = len(finished())
         print(f"[{done}/{len(cases)}] {cases[index].name} {record['verdict']} ({seconds:.1f}s)")
+        rule = record.get("rule", {})
+        if rule.get("source") == "observed":  # once per case: what it was held to
+            print(f"  {rule['line']}")
         sys.stdout.flush()
         if folder is not None:  # a valid summary.json after every case
             seconds_so_far = round(time.perf_counter() - start, 2)

@@ -33,6 +33,7 @@ from harness.compare import (
     verdict,
 )
 from harness.impls import IMPLS
+from harness.learn import LEARNING_STEPS, ObservedRule, expected_fields, learn
 from harness.observe import Copy, Observed, Windowed, corrupted_reloads, observe
 from harness.offload.backends import capabilities, resolve_backend
 from harness.offload.config import OffloadConfig
@@ -42,7 +43,6 @@ from harness.offload.protocol import GroupRecord, Offloader, plan_of
 from harness.offload.recorder import GroupObservation, RecordingOffloader
 from harness.predict import (
     MEGATRON_MAIN,
-    SIMPLEST,
     Expected,
     GroupKey,
     Semantics,
@@ -77,15 +77,18 @@ class Environment:
     """Backend under test: a name or ``module:factory``."""
     model_size: str = "tiny"
     """``tiny`` (CPU sized) or ``small`` (GPU sized) presets."""
+    undeclared: bool = False
+    """Judge the backend as if it declared no semantics: its rule is learned from its copies
+    (``harness.learn``) even where its factory declares one (``mutation-score --undeclared``)."""
 
     def offloader(self, config: OffloadConfig) -> Offloader:
         return resolve_backend(self.backend)(config, self.device)
 
     @property
-    def semantics(self) -> Semantics:
-        """The backend's copy rules for the prediction: its factory's declared ``semantics``
-        (the reference's and megatron-core's adapters declare theirs), else ``SIMPLEST``."""
-        return capabilities(self.backend).semantics or SIMPLEST
+    def declared(self) -> Semantics | None:
+        """The copy rules the backend's factory declares (the reference's and megatron-core's
+        adapters declare theirs), or None: its rule is then learned from what it does."""
+        return None if self.undeclared else capabilities(self.backend).semantics
 
     def spec(self, case: Case) -> ModelSpec:
         spec = case.model_spec(self.model_size)
@@ -224,16 +227,21 @@ def offload_proof(
     microbatches: int,
     semantics: Semantics = MEGATRON_MAIN,
     device: torch.device | None = None,
+    warmup: dict[GroupKey, Expected] | None = None,
 ) -> list[str]:
-    """Problems with the claim "every selected name moved bytes in every microbatch" (both
-    ways; out only where the backend declares that a reload on this device copies nothing)."""
+    """Problems with the claim "the offload happened in the warmup step": every selected name
+    moved bytes in every pass, whatever rule was declared or learned (an absolute: a rule learned
+    from an offloader that moves nothing predicts nothing), and every group occurrence the
+    ``warmup`` prediction moves moved bytes - both ways, or out only where the rule says a reload
+    on this device hands out the host copy."""
     back = semantics.reloads_on(device.type if device is not None else "cpu")
-    moved = {
-        (mb, name)
-        for (mb, _, name), fields in counts.by_group().items()
-        if fields["d2h_bytes"] > 0 and (fields["h2d_bytes"] > 0 or not back)
-    }
-    way = "both ways" if back else f"out (a reload copies nothing here: {semantics.label})"
+    by_group = counts.by_group()
+
+    def moved(fields: dict[str, int]) -> bool:
+        return fields["d2h_bytes"] > 0 and (fields["h2d_bytes"] > 0 or not back)
+
+    seen = {(mb, name) for (mb, _, name), fields in by_group.items() if moved(fields)}
+    way = "both ways" if back else f"out (a reload hands out the host copy here: {semantics.label})"
     # The selected names each model chunk opens (one chunk: the whole model, MTP included).
     chunks = model_chunks(case.schedule)
     selected = [
@@ -249,13 +257,24 @@ def offload_proof(
         )
         for chunk in range(chunks)
     ]
-    return [
+    problems = [
         f"{pass_label(p, case.schedule)}: no {name} group moved bytes {way} in the profiled "
         "warmup step"
         for p in range(microbatches * chunks)
         for name in selected[p % chunks]
-        if (p, name) not in moved
+        if (p, name) not in seen
     ]
+    missing = [
+        key
+        for key, expected in sorted((warmup or {}).items())
+        if expected.copies and (key[0], key[2]) in seen and not moved(by_group.get(key, _ZERO))
+    ]
+    problems += [
+        f"{pass_label(mb, case.schedule)}, layer {layer}: its {name} group moved no bytes {way} "
+        f"in the profiled warmup step, predicted {warmup[(mb, layer, name)].bytes} B"  # type: ignore[index]
+        for mb, layer, name in missing
+    ]
+    return problems
 
 
 @dataclass(kw_only=True)
@@ -290,7 +309,11 @@ class CaseRun:
     attribution: Attribution | None = None
     """Where ``counts`` and ``warmup_transfers`` came from, with the other side's counts."""
     semantics: Semantics = MEGATRON_MAIN
-    """The copy rules the prediction used (the backend's declaration, or the simplest model)."""
+    """The copy rules the prediction used: the backend's declaration, or the rule learned from
+    its copies (``rule``)."""
+    rule: ObservedRule | None = None
+    """The rule learned from an undeclared backend's warmup and first steady step (None: it
+    declares its semantics)."""
     runner_copies: tuple[TransferCounts, TransferCounts] | None = None
     """Profiler counts of the plain run's first and final steps: the copies the runner makes
     without any offloader (e.g. FSDP2's), which no offload group range can claim."""
@@ -359,7 +382,8 @@ class CaseRun:
         self, expected: dict[GroupKey, Expected], counts: TransferCounts, step: int
     ) -> list[str]:
         whys = {k: e.why for k, e in expected.items() if e.why}
-        predicted = _fields(expected, self.semantics, counts.mode)
+        device_type = "cuda" if counts.mode == "device" else "cpu"
+        predicted = expected_fields(expected, self.semantics, device_type)
         return _diff(
             predicted,
             counts.by_group(),
@@ -406,25 +430,6 @@ class CaseRun:
 
 
 _ZERO = dict.fromkeys(COUNTER_FIELDS, 0)
-
-
-def _fields(
-    expected: dict[GroupKey, Expected], semantics: Semantics, mode: str
-) -> dict[GroupKey, dict[str, int]]:
-    """The counter fields a prediction expects per group occurrence (no reload on a CPU device
-    where the semantics say a reload hands out the host copy)."""
-    back = semantics.reloads_on("cuda" if mode == "device" else "cpu")
-    return {
-        k: dict(
-            zip(
-                COUNTER_FIELDS,
-                (e.copies, e.bytes, e.copies if back else 0, e.bytes if back else 0),
-                strict=True,
-            )
-        )
-        for k, e in expected.items()
-        if e.copies
-    }
 
 
 def _diff(
@@ -542,18 +547,13 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         )
     observations = recorder.iterations[int(run.eval_first)]  # the first training iteration
     order = schedule_order(run.schedule, run.microbatches)
-    warmup, steady = predict(observations, config, order, env.semantics)
+    declared = env.declared
     layout = None
-    if env.semantics.reload_layout == "contiguous":
-
-        def moves(step: int, key: GroupKey) -> bool:
-            expected = (warmup if step == 0 else steady).get(key)
-            return expected is not None and expected.offloaded
-
-        copier = LayoutBaseline(config, env.device, env.semantics, moves, eval_first=run.eval_first)
-        with _timed(seconds, "layout"):
-            layout = train(spec, run, copier, env.device, **kept)
-    final = warmup if last == 0 else steady  # a one-step run's final step is its warmup
+    if declared is not None:  # an undeclared backend's rule is learned after its run
+        warmup, steady = predict(observations, config, order, declared)
+        if declared.reload_layout == "contiguous":
+            with _timed(seconds, "layout"):
+                layout = _layout_baseline(case, env, declared, warmup, steady)
     planned = [(o.layer, o.name) for o in observations if o.microbatch == order[0][1]]
 
     def offload_training(guarded: bool) -> _OffloadTraining:
@@ -593,6 +593,18 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     mine = [s.without(own[0]) for s in seen]  # every step's
     per_step = [m.counts(mode) for m in mine]
     attribution = attribute(sink, mine, per_step)
+    rule: ObservedRule | None = None
+    semantics = declared
+    if semantics is None:  # learned from the warmup and first steady step, held on every step
+        learning = [per_step[s].by_group() for s in LEARNING_STEPS if s < len(per_step)]
+        relaid = any(o.relaid for o in mine)
+        rule = learn(observations, config, order, learning, env.device.type, relaid)
+        semantics = rule.semantics
+        warmup, steady = predict(observations, config, order, semantics)
+        if semantics.reload_layout == "contiguous":
+            with _timed(seconds, "layout"):
+                layout = _layout_baseline(case, env, semantics, warmup, steady)
+    final = warmup if last == 0 else steady  # a one-step run's final step is its warmup
     disabled: list[TransferCounts] = []
     disabled_seen: list[Observed] = []
     with _closing(Windowed(env.offloader(config))) as offloader, _timed(seconds, "disabled"):
@@ -636,13 +648,14 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         warmup_expected=warmup,
         warmup_transfers=attribution.warmup,
         proof_problems=offload_proof(
-            case, spec, attribution.warmup, run.microbatches, env.semantics, env.device
+            case, spec, attribution.warmup, run.microbatches, semantics, env.device, warmup
         ),
         observations=observations,
         expected=final,
         counts=attribution.final,
         attribution=attribution,
-        semantics=env.semantics,
+        semantics=semantics,
+        rule=rule,
         logged=log_by_group(offload.logs[-1].groups) if offload.logs else None,
         disabled=disabled[0],
         disabled_observed=disabled_seen[0].without(own[0], any_window=True).counts(mode),
@@ -660,6 +673,28 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         if run_result is not None:
             run_result.grads, run_result.final_state = [], {}
     return result
+
+
+def _layout_baseline(
+    case: Case,
+    env: Environment,
+    semantics: Semantics,
+    warmup: dict[GroupKey, Expected],
+    steady: dict[GroupKey, Expected],
+) -> TrainResult:
+    """The layout baseline of a backend whose reloads come back contiguous: the same copies
+    made on the device, following the prediction of which groups move in which step."""
+
+    def moves(step: int, key: GroupKey) -> bool:
+        expected = (warmup if step == 0 else steady).get(key)
+        return expected is not None and expected.offloaded
+
+    run = case.run_spec()
+    copier = LayoutBaseline(
+        case.offload_config(), env.device, semantics, moves, eval_first=run.eval_first
+    )
+    kept = dict(keep_grads=True, keep_final_state=True, sharding=case.sharding)
+    return train(env.spec(case), run, copier, env.device, **kept)
 
 
 @dataclass(frozen=True)
@@ -862,7 +897,10 @@ class MemoryResult:
 
 
 def run_memory(
-    case: Case, env: Environment, observations: list[GroupObservation] | None = None
+    case: Case,
+    env: Environment,
+    observations: list[GroupObservation] | None = None,
+    semantics: Semantics | None = None,
 ) -> MemoryResult:
     """Baseline vs offload memory after the last forward and at the final step's peak, in runs
     of the case's first ``MEMORY_STEPS`` steps (``memory_run_spec``).
@@ -873,7 +911,9 @@ def run_memory(
     the rounding the snapshot shows on the live blocks of the two runs.
 
     ``observations`` are the hooks baseline's records of the case's first training iteration
-    (``CaseRun.observations``; recorded here when not given). The baseline reading (no offload)
+    (``CaseRun.observations``; recorded here when not given); ``semantics`` the rule the case run
+    predicted with (``CaseRun.semantics``: needed for a backend that declares none, whose rule
+    is learned there). The baseline reading (no offload)
     depends only on the case's ``plain_key``: rows sharing it, which run one after another, read
     it once (``memory_baseline``).
     """
@@ -884,7 +924,10 @@ def run_memory(
     last_forward = last_forward_index(order)
     if observations is None:
         observations = record_observations(case, env)
-    warmup, steady = predict(observations, config, order, env.semantics)
+    semantics = semantics or env.declared
+    if semantics is None:
+        raise ValueError("an undeclared backend's memory reading needs its case run's rule")
+    warmup, steady = predict(observations, config, order, semantics)
     if run.steps == 1:  # the final step is the warmup
         steady = warmup
     early = prefetched_before(observations, steady, order, last_forward)
@@ -897,10 +940,10 @@ def run_memory(
         size
         for o in observations
         if (o.microbatch, o.layer, o.name) in early and o.microbatch in in_flight
-        for size in reload_sizes(o, config, env.semantics)
+        for size in reload_sizes(o, config, semantics)
     )
     redundant = sorted(
-        redundant_reload_bytes(o, config, env.semantics)
+        redundant_reload_bytes(o, config, semantics)
         for o in observations
         if steady[(o.microbatch, o.layer, o.name)].offloaded
     )

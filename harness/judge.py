@@ -24,6 +24,7 @@ golden         the plain baseline equals this machine's golden trace (``harness.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from harness.checks import (
 )
 from harness.execute import CaseRun, Environment, MemoryResult, run_case
 from harness.impls import IMPLS
-from harness.predict import SIMPLEST
+from harness.learn import OBSERVED_LABEL
 from harness.report import case_record, memory_record
 from harness.runs import Refused
 from harness.sanitizer import describe
@@ -135,9 +136,14 @@ class CaseRuns:
         """The memory reading runs (``harness.execute.run_memory``), CUDA only."""
         from harness.execute import run_memory
 
+        if self.env.declared is None:  # the rule it is held to is learned by the case run
+            self.case_run()
         made = self._made.get("case")  # its hooks run recorded what the prediction needs
         observations = made.observations if isinstance(made, CaseRun) else None
-        return self._once("memory", lambda: run_memory(self.case, self.env, observations))
+        semantics = made.semantics if isinstance(made, CaseRun) else None
+        return self._once(
+            "memory", lambda: run_memory(self.case, self.env, observations, semantics)
+        )
 
     def guarded(self) -> Any:
         """The guarded training of the host-sync check: a ``GuardedRun``, or the
@@ -196,12 +202,19 @@ def _transfers(runs: CaseRuns) -> CheckOutcome:
         if att is not None
         else None
     )
-    return _from_problems(
+    outcome = _from_problems(
         "transfers",
         transfer_problems(runs.case, res, runs.env.device),
         attribution=att.source if att is not None else None,
         outside_windows=outside,
     )
+    if outcome.status == "pass" and res.rule is not None:
+        # What a learned rule cannot tell: a consistent rule of its own is no proof of Megatron's.
+        reason = (
+            f"consistent with {OBSERVED_LABEL}; declare semantics to check it against Megatron's"
+        )
+        return dataclasses.replace(outcome, reason=reason)
+    return outcome
 
 
 def _disabled(runs: CaseRuns) -> CheckOutcome:
@@ -222,7 +235,7 @@ def _weights(runs: CaseRuns) -> CheckOutcome:
         "d2h_observed": res.d2h_watched,
     }
     record = {"weights": seen}
-    if res.semantics.skip == "none" and res.semantics is not SIMPLEST:
+    if res.semantics.skip == "none" and not res.semantics.observed:
         return CheckOutcome(
             name="weights",
             status="n-a",

@@ -135,7 +135,17 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor | None:
 class _SumRecord:
     """One saved tensor's checksum at pack time, and the one of what its unpack returned."""
 
-    __slots__ = ("chunks", "dtype", "index", "key", "offset", "packed", "reloaded", "shape")
+    __slots__ = (
+        "chunks",
+        "dtype",
+        "index",
+        "key",
+        "offset",
+        "packed",
+        "reloaded",
+        "shape",
+        "stride",
+    )
 
     def __init__(
         self,
@@ -147,6 +157,7 @@ class _SumRecord:
     ) -> None:
         self.key, self.index, self.chunks = key, index, chunks
         self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+        self.stride = _layout(tensor)
         self.offset = tensor.storage_offset()
         self.packed, self.reloaded = packed, None
 
@@ -157,6 +168,14 @@ class _SumRecord:
             f"{self.index} of the "
             f"group: shape {list(self.shape)}, {self.dtype}, storage offset {self.offset}"
         )
+
+
+def _layout(tensor: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's strides where they matter: those of its dimensions longer than one (a view
+    and a contiguous copy of it agree on the rest)."""
+    if tensor.layout != torch.strided:
+        return ()
+    return tuple(s for s, n in zip(tensor.stride(), tensor.shape, strict=True) if n > 1)
 
 
 class _Summed:
@@ -178,8 +197,10 @@ def _summing(unpack: Any, state: _WindowState) -> Any:
         if record is not None and record.packed is not None and observer is not None:
             if isinstance(tensor, torch.Tensor):
                 record.reloaded = checksum(tensor)
+                relaid = _layout(tensor) != record.stride
                 with observer.lock:
                     observer.observed.summed.append(record)
+                    observer.observed.relaid += relaid
         return tensor
 
     return unpacked
@@ -359,6 +380,9 @@ class Observed:
     checksums still on the device until ``corrupted`` or ``checksummed`` is first read (after
     the run: no host read inside a step or a profiled region)."""
     _compared: tuple[list[str], int] | None = None
+    relaid: int = 0
+    """With checksums: reloads whose strides differ from the saved tensor's (an offloader whose
+    reload comes back contiguous, as ``save_on_cpu``'s does)."""
     ranged: list[tuple[RangeKey, int]] = field(default_factory=list)
     """On a CPU device: every copy op issued inside one of the offloader's own ranges
     (``harness.offload.ranges.profiler_range``), with the destination's bytes, keyed by the
@@ -444,7 +468,9 @@ class Observed:
                 left[signature] -= 1
             else:
                 kept.append(copy)
-        return Observed(copies=kept, ranged=self.ranged, _compared=self._compare())
+        return Observed(
+            copies=kept, ranged=self.ranged, _compared=self._compare(), relaid=self.relaid
+        )
 
 
 def corrupted_reloads(seen: Sequence[Observed]) -> list[tuple[int, str]]:

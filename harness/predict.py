@@ -60,6 +60,17 @@ class Semantics:
     round differently (bf16). The offload run is then compared bitwise with the *layout
     baseline*: the same copies made on the device, nothing moved (``harness.offload.layout``);
     how far that baseline is from the plain one is reported, not judged."""
+    min_size: int | None = None
+    """With ``size_threshold``: the backend's own threshold in elements, where it is not the
+    configuration's ``min_offloaded_tensor_size`` (TransformerEngine's 2**20, or one learned
+    from an undeclared offloader's copies)."""
+    keep_last: int = 0
+    """With ``policies="every"``: the last ``keep_last`` selected group occurrences of each
+    pass's forward stay on the device, in every iteration (TransformerEngine keeps its last
+    layer)."""
+    observed: bool = False
+    """Learned from the offloader's own copies (``harness.learn``), not declared by it: the
+    checks hold it to this rule and say so, but cannot hold it to Megatron's."""
     label: str = "Megatron-Core main's rules"
     """What the prediction's messages call this model."""
 
@@ -72,6 +83,8 @@ class Semantics:
             raise ValueError(f"Semantics.skip must be storage, object or none, got {self.skip!r}")
         if self.policies not in ("megatron", "every"):
             raise ValueError(f"Semantics.policies must be megatron or every, got {self.policies!r}")
+        if self.keep_last < 0 or (self.min_size is not None and self.min_size < 0):
+            raise ValueError("Semantics.keep_last and min_size must be >= 0")
         if self.reload_layout not in ("saved", "contiguous"):
             raise ValueError(
                 f"Semantics.reload_layout must be saved or contiguous, got {self.reload_layout!r}"
@@ -81,16 +94,14 @@ class Semantics:
         """Whether a reload copies back (an H2D) on a device of this type."""
         return device_type == "cuda" or self.host_reload
 
+    def threshold(self, config: OffloadConfig) -> int:
+        """Elements below which a saved tensor stays (0: no threshold)."""
+        if not self.size_threshold:
+            return 0
+        return config.min_offloaded_tensor_size if self.min_size is None else self.min_size
+
 
 MEGATRON_MAIN = Semantics()
-
-SIMPLEST = Semantics(
-    view_copy="gather",
-    skip="none",
-    policies="every",
-    size_threshold=False,
-    label="the simplest model: no semantics declared",
-)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,10 +152,10 @@ def skip_reason(
         return "is a parameter or a marked tensor itself"
     if info.numel == 0:
         return "is empty"
-    if semantics.size_threshold and info.numel < config.min_offloaded_tensor_size:
-        return (
-            f"{info.numel} elements < min_offloaded_tensor_size {config.min_offloaded_tensor_size}"
-        )
+    threshold = semantics.threshold(config)
+    if info.numel < threshold:
+        what = "min_offloaded_tensor_size" if semantics.min_size is None else "its size threshold"
+        return f"{info.numel} elements < {what} {threshold}"
     return None
 
 
@@ -225,21 +236,32 @@ def predict(
         for k, (c, b) in moved.items()
     }
     if semantics.policies == "every":
-        return warmup, dict(warmup)
+        kept = _kept_last(keys, semantics.keep_last)
+        every = {k: _kept(kept[k], semantics) if k in kept else e for k, e in warmup.items()}
+        return every, dict(every)
     kept = _steady_decisions(keys, {k: b for k, (_, b) in moved.items()}, config, order)
-    steady = {
-        k: warmup[k]
-        if k not in kept
-        else Expected(
-            decision=kept[k],
-            copies=0,
-            bytes=0,
-            freed_storages=frozenset(),
-            why=f"{KEPT_RULES[kept[k]]} ({semantics.label})",
-        )
-        for k in keys
-    }
+    steady = {k: warmup[k] if k not in kept else _kept(kept[k], semantics) for k in keys}
     return warmup, steady
+
+
+def _kept(decision: str, semantics: Semantics) -> Expected:
+    return Expected(
+        decision=decision,
+        copies=0,
+        bytes=0,
+        freed_storages=frozenset(),
+        why=f"{KEPT_RULES[decision]} ({semantics.label})",
+    )
+
+
+def _kept_last(keys: list[GroupKey], count: int) -> dict[GroupKey, str]:
+    """The last ``count`` occurrences of each pass (in forward start order) -> kept:last."""
+    if not count:
+        return {}
+    by_pass: dict[int, list[GroupKey]] = {}
+    for key in keys:
+        by_pass.setdefault(key[0], []).append(key)
+    return {k: "kept:last" for ks in by_pass.values() for k in ks[-count:]}
 
 
 KEPT_RULES = {
@@ -251,6 +273,7 @@ KEPT_RULES = {
     "fraction rule)",
     "kept:last_of_name": "kept: its chunk's last group of the name, and that chunk runs backward "
     "next (Megatron's last-of-name rule)",
+    "kept:last": "kept: among the last selected groups of its pass's forward",
 }
 
 

@@ -388,8 +388,17 @@ def case_record(res: Any) -> dict[str, Any]:
         },
         "seconds": round(res.seconds, 3),
         "run_seconds": dict(res.run_seconds),
+        "rule": rule_record(res),
         **_transfer_fields(res),
     }
+
+
+def rule_record(res: Any) -> dict[str, Any]:
+    """The rule a case's transfers were predicted with: declared by the backend (its label), or
+    learned from its copies (``harness.learn``: the one-line description)."""
+    if res.rule is not None:
+        return res.rule.record()
+    return {"source": "declared", "line": f"declared rule: {res.semantics.label}"}
 
 
 def _transfer_fields(res: Any) -> dict[str, Any]:

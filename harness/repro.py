@@ -29,11 +29,13 @@ from harness.compare import first_divergence, first_tensor_difference, loss_tabl
 from harness.execute import Environment, first_grad_difference
 from harness.golden import trace_text
 from harness.impls import IMPLS
+from harness.learn import LEARNING_STEPS, learn
 from harness.models.hybrid import HybridModel
 from harness.observe import Observed, Windowed, corrupted_reloads, observe
-from harness.offload.backends import resolve_backend
+from harness.offload.backends import capabilities, resolve_backend
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Offloader
+from harness.offload.recorder import GroupObservation, RecordingOffloader
 from harness.report import run_folder
 from harness.spec import PRESETS, ModelSpec, RunSpec
 from harness.train import RunHooks, TrainResult, schedule_order, train
@@ -225,8 +227,22 @@ def _backend(spec: ReproSpec) -> Offloader:
     return resolve_backend(spec.backend)(spec.case.offload_config(), spec.device)
 
 
-def _hooks_backend(spec: ReproSpec) -> Offloader:
-    return resolve_backend("hooks")(spec.case.offload_config(), spec.device)
+def rule_line(
+    spec: ReproSpec, observations: list[GroupObservation], own: Observed, seen: list[Observed]
+) -> str:
+    """The rule the case's transfers are predicted with, in one line: the backend's declared
+    one, or the one learned from the offload run's warmup and first steady step
+    (``harness.learn``), as ``offload-harness run`` prints it."""
+    declared = capabilities(spec.backend).semantics
+    if declared is not None:
+        return f"declared rule: {declared.label}"
+    mode = "device" if spec.device.type == "cuda" else "cpu"
+    mine = [s.without(own) for s in seen]
+    learning = [m.counts(mode).by_group() for m in mine[: len(LEARNING_STEPS)]]
+    order = schedule_order(spec.run.schedule, spec.run.microbatches)
+    config = spec.case.offload_config()
+    relaid = any(m.relaid for m in mine)
+    return learn(observations, config, order, learning, spec.device.type, relaid).line
 
 
 # ------------------------------------------------------------------------- layer outputs
@@ -316,9 +332,12 @@ def reproduce(
 
     say(f"case {spec.case.name} (backend {spec.backend}, {spec.device}, seed {spec.run.seed})")
     plain = _train(spec, NoOffload(), "baseline", keep=True)
-    hooks = _train(spec, _hooks_backend(spec), "hooks", keep=False)
+    recorder = RecordingOffloader(spec.case.offload_config(), spec.device)
+    own: list[Observed] = []  # the model's own copies inside group windows
+    hooks = _train(spec, recorder, "hooks", keep=False, seen=own)
     seen: list[Observed] = []
     offload = _train(spec, _backend(spec), "offload", keep=True, seen=seen)
+    say(rule_line(spec, recorder.iterations[int(spec.run.eval_first)], own[0], seen))
     say(loss_table(plain.losses, offload.losses))
     corrupted = corrupted_reloads(seen)
     if corrupted:

@@ -139,10 +139,10 @@ class TeCpuOffload(_Adapter):
     layers up front and never offloads the last one: ``plan`` (called by the case runner with
     the occurrences the hooks baseline recorded) gives the count, ``num_layers = count - 1``;
     where nobody calls it, the first microbatch of the first iteration only counts them.
-    ``NVTE_CPU_OFFLOAD_V1=1`` in the environment selects its older implementation. It declares
-    no semantics: its policies (the last layer kept, the first microbatch not offloaded, its
-    2**20-element size threshold in the newer implementation) are not in ``Semantics``, so the
-    simplest model predicts it and the transfer check's differences are the findings."""
+    ``NVTE_CPU_OFFLOAD_V1=1`` in the environment selects its older implementation.
+    It declares no semantics: its policies (the last layer kept, the newer implementation's own
+    size threshold of 2**20 elements) are learned from its copies like any undeclared
+    offloader's (``harness.learn``), and it is held to them in every step."""
 
     name = "te"
     capabilities: ClassVar[Capabilities] = Capabilities(

@@ -67,7 +67,8 @@ the D2H wait its inline reload lacks, to localise Megatron-LM #7398."""
 
 UNDECLARED = Capabilities()
 """The record of a factory that declares none: no description, no semantics (the prediction
-uses ``harness.predict.SIMPLEST`` and says so), no race delays, runs anywhere."""
+learns its rule from what it does, ``harness.learn``, and says so), no race delays, runs
+anywhere."""
 
 DELAYS = "+delays"
 DEFAULT_RACE_DELAYS = RaceDelays(d2h=LONG_DELAY, h2d=LONG_DELAY)

@@ -1,0 +1,216 @@
+"""Offloaders that declare nothing: their rule is learned from what they do (``harness.learn``),
+then every step is held to it.
+
+* ``learn`` on hand-built observations finds each freedom the protocol leaves (skip rule, size
+  threshold, view copy, CPU hand-back, occurrence policy) and says which ones a case cannot
+  decide; copies no single rule explains are named as such;
+* the corpus of correct undeclared offloaders (``tests/undeclared_offloaders.py``, six styles)
+  passes every check with no ``Capabilities``, and the rule it was held to is in the report;
+* each broken variant of them is caught, by the check that should catch it, for its reason;
+* a declared backend is judged against its declaration as before, and the same backend with its
+  declaration hidden (``Environment(undeclared=True)``) is learned to follow the same rule.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from harness.cases import Case
+from harness.execute import Environment, run_case
+from harness.judge import judge
+from harness.learn import learn
+from harness.offload.config import OffloadConfig
+from harness.offload.recorder import GroupObservation, SavedInfo
+from harness.train import schedule_order
+
+CPU = torch.device("cpu")
+ROWS = (
+    Case(family="hybrid", offload=("core_attn", "attn_proj"), custom_pattern="+-+-"),
+    Case(family="moe", offload=("qkv_linear", "expert_fc1", "moe_act"), precision="bf16"),
+)
+CHECKS = ("equivalence", "transfers", "disabled", "fidelity", "weights")
+CORRECT = ("StorageSkip", "ObjectSkip", "SizeThreshold", "WholeStorage", "HandBack")
+
+
+def _saved(numel: int, *, parameter: bool = False, contiguous: bool = True, sid: int = 0):
+    return SavedInfo(
+        shape=(numel,),
+        stride=(1,),
+        storage_offset=0,
+        dtype=torch.float32,
+        itemsize=4,
+        storage_nbytes=numel * 4 * (1 if contiguous else 2),
+        storage_id=sid,
+        contiguous=contiguous,
+        on_device=True,
+        parameter=parameter,
+    )
+
+
+# One microbatch, two layers of one group, each saving: a view of a weight (2048 elements,
+# parameter storage, not a Parameter object itself) and activations of 4096, 600 and 16
+# elements. Under Megatron's skip rule with min_offloaded_tensor_size 1024 only the 4096 one
+# moves: 1 copy of 16384 B per occurrence.
+OBSERVATIONS = [
+    GroupObservation(
+        microbatch=0,
+        layer=layer,
+        name="core_attn",
+        saved=(
+            _saved(2048, parameter=True, sid=1),
+            _saved(4096, sid=2),
+            _saved(600, sid=3),
+            _saved(16, sid=4),
+        ),
+        released=(),
+    )
+    for layer in (0, 1)
+]
+CONFIG = OffloadConfig(offload_modules=("core_attn",), min_offloaded_tensor_size=1024)
+ORDER = schedule_order("sequential", 1)
+
+
+def _counts(copies: int, nbytes: int, back: bool = True) -> dict[str, int]:
+    return {
+        "d2h_copies": copies,
+        "d2h_bytes": nbytes,
+        "h2d_copies": copies if back else 0,
+        "h2d_bytes": nbytes if back else 0,
+    }
+
+
+def test_learns_storage_skip_a_threshold_and_a_cpu_hand_back() -> None:
+    # 1 copy of 4096 * 4 B per occurrence, out only, in both learning steps
+    step = {(0, layer, "core_attn"): _counts(1, 16384, back=False) for layer in (0, 1)}
+    rule = learn(OBSERVATIONS, CONFIG, ORDER, [step, step], "cpu", relaid=False)
+    assert rule.exact, rule.line
+    semantics = rule.semantics
+    assert semantics.observed and semantics.skip == "storage" and not semantics.host_reload
+    assert semantics.threshold(CONFIG) == 1024, "the configured threshold fits and is preferred"
+    # Skipping the weight view by storage with a threshold in (600, 4096] fits, and so does
+    # moving it (skip by object or nothing) with a threshold in (2048, 4096]: both are said.
+    assert rule.line == (
+        "observed rule: skip rule not decided by this case (storages or objects or nothing), "
+        "tensors under 1024 to 4096 elements stay (not decided by this case exactly), view copy "
+        "not decided by this case (gathered or whole storage), CPU reload hands back the host "
+        "copy, reloads keep the saved strides, every selected occurrence every step"
+    )
+
+
+def test_learns_a_threshold_of_its_own_and_moving_weight_views() -> None:
+    # the weight view, the 4096 and the 600 one move (skip by object), the 16 one stays:
+    # 3 copies, (2048 + 4096 + 600) * 4 = 26976 B; a threshold in (16, 600], not the
+    # configured 1024, and 600 is the one saved size there
+    step = {(0, layer, "core_attn"): _counts(3, 26976) for layer in (0, 1)}
+    rule = learn(OBSERVATIONS, CONFIG, ORDER, [step, step], "cpu", relaid=False)
+    assert rule.exact and rule.semantics.skip == "object", rule.line
+    assert rule.semantics.threshold(CONFIG) == 600
+    assert "tensors under 600 elements stay" in rule.line
+    assert "CPU reload copies back" in rule.line
+
+
+def test_learns_the_last_occurrence_kept() -> None:
+    # TransformerEngine's style: the last occurrence of the pass stays in every step
+    step = {(0, 0, "core_attn"): _counts(1, 16384)}
+    rule = learn(OBSERVATIONS, CONFIG, ORDER, [step, step], "cuda", relaid=True)
+    assert rule.exact and rule.semantics.keep_last == 1, rule.line
+    assert "the last 1 selected occurrence(s) of each pass stay" in rule.line
+    assert "reloads come back contiguous" in rule.line and "CPU reload" not in rule.line
+
+
+def test_copies_no_single_rule_explains_are_named() -> None:
+    warmup = {(0, layer, "core_attn"): _counts(1, 16384) for layer in (0, 1)}
+    steady = {(0, 0, "core_attn"): _counts(1, 16384)}  # layer 1 stops moving, layer 0 goes on
+    steady_wrong = {**steady, (0, 1, "core_attn"): _counts(1, 64)}  # 64 B: no tensor's size
+    rule = learn(OBSERVATIONS, CONFIG, ORDER, [warmup, steady_wrong], "cpu", relaid=False)
+    assert not rule.exact and rule.misfits == 1, rule.line
+    assert rule.line.startswith("no single rule explains its copies in steps 0 and 1; the closest")
+
+
+def _statuses(judgement) -> dict[str, str]:
+    return {o.name: o.status for o in judgement.outcomes}
+
+
+@pytest.mark.parametrize("style", CORRECT)
+@pytest.mark.parametrize("row", ROWS, ids=lambda c: c.name)
+def test_a_correct_undeclared_offloader_passes(style: str, row: Case) -> None:
+    judgement = judge(row, Environment(device=CPU, backend=f"undeclared_offloaders:{style}"))
+    statuses = _statuses(judgement)
+    assert judgement.verdict == "pass", judgement.problems
+    assert {statuses[c] for c in CHECKS} == {"pass"}, statuses
+    transfers = next(o for o in judgement.outcomes if o.name == "transfers")
+    assert "declare semantics to check it against Megatron's" in transfers.reason
+    rule = judgement.record()["rule"]
+    assert rule["source"] == "observed" and rule["exact"], rule
+    assert rule["line"].startswith("observed rule: "), rule
+
+
+BROKEN = [
+    # (variant, the check that must fail, its problem's pattern, checks that must still pass)
+    (
+        "DropsOneReload",
+        "transfers",
+        r"^no single rule explains its copies in steps 0 and 1; .*none does; where the closest",
+        ("equivalence", "weights"),
+    ),
+    (
+        "EvenStepsOnly",
+        "transfers",
+        r"^no single rule explains its copies in steps 0 and 1",
+        ("equivalence", "weights"),
+    ),
+    (
+        "MovesMarked",
+        "weights",
+        r"D2H copies of weights .* in steps \[0, 1, 2, 3, 4, 5\]",
+        ("equivalence", "transfers"),
+    ),
+    (
+        "ThresholdDrifts",
+        "transfers",
+        r"^no single rule explains its copies in steps 0 and 1",
+        ("equivalence", "weights"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("variant", "check", "pattern", "passing"), BROKEN)
+def test_a_broken_undeclared_offloader_is_caught(
+    variant: str, check: str, pattern: str, passing: tuple[str, ...]
+) -> None:
+    row = ROWS[0]
+    judgement = judge(row, Environment(device=CPU, backend=f"undeclared_offloaders:{variant}"))
+    outcome = next(o for o in judgement.outcomes if o.name == check)
+    assert outcome.status == "fail", judgement.problems
+    assert any(re.search(pattern, p) for p in outcome.problems), outcome.problems
+    statuses = _statuses(judgement)
+    assert all(statuses[c] == "pass" for c in passing), (statuses, judgement.problems)
+
+
+def test_the_closest_rule_names_the_first_occurrence_that_breaks_it() -> None:
+    judgement = judge(
+        ROWS[0], Environment(device=CPU, backend="undeclared_offloaders:EvenStepsOnly")
+    )
+    problems = next(o for o in judgement.outcomes if o.name == "transfers").problems
+    # attn_proj stops moving in step 1 (an odd step): the closest rule moves it every step
+    assert re.match(
+        r"step 1, microbatch 0, layer 0, group attn_proj: predicted \{'d2h_copies': 1, .*\} "
+        r"measured \{'d2h_copies': 0",
+        problems[1],
+    ), problems
+
+
+def test_the_reference_with_its_declaration_hidden_is_learned_to_follow_megatrons_rules() -> None:
+    row = Case(family="hybrid", offload=("core_attn", "attn_proj"), schedule="1f1b")
+    declared = run_case(row, Environment(device=CPU))
+    hidden = run_case(row, Environment(device=CPU, undeclared=True))
+    assert declared.rule is None and declared.mismatches() == []
+    assert hidden.rule is not None and hidden.rule.exact, hidden.rule
+    assert hidden.step_mismatches() == [] and hidden.mismatches() == []
+    # the same prediction, step by step, as the declaration's
+    expected = {k: (e.copies, e.bytes) for k, e in declared.expected.items()}
+    assert {k: (e.copies, e.bytes) for k, e in hidden.expected.items()} == expected
+    assert "Megatron's warmup and steady-state policies" in hidden.rule.line
