@@ -11,7 +11,8 @@ both exactly:
   (``storage``), only ``Parameter`` objects and tensors themselves marked (``object``), or
   nothing (``none``);
 * a size threshold, if any, and where it lies (the configuration's, or between two saved sizes);
-* non-contiguous views gathered or copied as their whole storage;
+* non-contiguous views gathered or copied as their whole storage (or every part of a larger
+  storage copied as that storage once, as TransformerEngine does);
 * on a CPU device, whether a reload copies back or hands the host copy out;
 * which occurrences move: every selected one every step, Megatron's warmup and steady-state
   policies with the configuration's parameters, or all but the last few of each pass (as
@@ -174,7 +175,7 @@ def _candidates(
     reloads = (True, False) if device_type != "cuda" else (True,)
     policies = (("every", 0), ("megatron", 0), ("every", 1), ("every", 2))
     for (policy, last), skip, threshold, view, back in itertools.product(
-        policies, ("storage", "object", "none"), thresholds, ("gather", "coverage"), reloads
+        policies, ("storage", "object", "none"), thresholds, ("gather", "coverage", "base"), reloads
     ):
         yield Semantics(
             view_copy=view,
@@ -216,6 +217,7 @@ def describe(rules: Sequence[Semantics], device_type: str, config: OffloadConfig
             {
                 "gather": ("views gathered", "gathered"),
                 "coverage": ("a view over half its storage or more copied whole", "whole storage"),
+                "base": ("a part of a larger storage copied as the whole storage, once", "base"),
             },
         ),
     ]

@@ -37,7 +37,9 @@ class Semantics:
     view_copy: str = "coverage"
     """``coverage``: a non-contiguous view covering >= 50% of its storage is copied as the whole
     storage (Megatron-Core main); ``gather``: every non-contiguous tensor is gathered
-    (``.contiguous()``) and copied alone (megatron-core 0.19)."""
+    (``.contiguous()``) and copied alone (megatron-core 0.19); ``base``: every tensor that is a
+    part of a larger storage is copied as that whole storage, once per storage in a group
+    (TransformerEngine copies a view's base tensor)."""
     skip: str = "storage"
     """``storage``: tensors sharing a storage with a parameter or a marked tensor stay;
     ``object``: only ``Parameter`` objects and tensors themselves marked stay (Megatron's
@@ -75,9 +77,9 @@ class Semantics:
     """What the prediction's messages call this model."""
 
     def __post_init__(self) -> None:
-        if self.view_copy not in ("coverage", "gather"):
+        if self.view_copy not in ("coverage", "gather", "base"):
             raise ValueError(
-                f"Semantics.view_copy must be coverage or gather, got {self.view_copy!r}"
+                f"Semantics.view_copy must be coverage, gather or base, got {self.view_copy!r}"
             )
         if self.skip not in ("storage", "object", "none"):
             raise ValueError(f"Semantics.skip must be storage, object or none, got {self.skip!r}")
@@ -127,6 +129,8 @@ class Expected:
 def copy_bytes(info: SavedInfo, semantics: Semantics = MEGATRON_MAIN) -> int:
     """Bytes one offload of ``info`` copies (whole storage for a covering view)."""
     own = info.numel * info.itemsize
+    if semantics.view_copy == "base":
+        return max(own, info.storage_nbytes)
     if info.contiguous or semantics.view_copy == "gather":
         return own
     whole = info.storage_nbytes
@@ -162,8 +166,17 @@ def skip_reason(
 def _group_bytes(
     obs: GroupObservation, config: OffloadConfig, semantics: Semantics
 ) -> tuple[int, int]:
-    moved = [s for s in obs.saved if eligible(s, config, semantics)]
+    moved = _copied(obs, config, semantics)
     return len(moved), sum(copy_bytes(s, semantics) for s in moved)
+
+
+def _copied(obs: GroupObservation, config: OffloadConfig, semantics: Semantics) -> list[SavedInfo]:
+    """The saved tensors an offload of the group copies, one copy each (under ``base``, one
+    per storage)."""
+    moved = [s for s in obs.saved if eligible(s, config, semantics)]
+    if semantics.view_copy != "base":
+        return moved
+    return list({s.storage_id: s for s in reversed(moved)}.values())[::-1]
 
 
 def _freed(obs: GroupObservation, config: OffloadConfig, semantics: Semantics) -> frozenset[int]:
@@ -183,7 +196,7 @@ def reload_sizes(
     """The device allocations (bytes each) a reload of this group makes: one per moved saved
     tensor, of what its offload copied - a tensor saved twice (one input of two matmuls) comes
     back as two allocations where the run without offload holds one storage."""
-    return [copy_bytes(s, semantics) for s in obs.saved if eligible(s, config, semantics)]
+    return [copy_bytes(s, semantics) for s in _copied(obs, config, semantics)]
 
 
 def redundant_reload_bytes(
@@ -201,12 +214,8 @@ def redundant_reload_sizes(
     """The storages (bytes each) behind ``redundant_reload_bytes``: one per whole-storage copy
     beyond the first of a storage the group copies more than once."""
     whole: dict[int, list[int]] = {}
-    for info in obs.saved:
-        if (
-            eligible(info, config, semantics)
-            and not info.contiguous
-            and copy_bytes(info, semantics) == info.storage_nbytes
-        ):
+    for info in _copied(obs, config, semantics):
+        if not info.contiguous and copy_bytes(info, semantics) == info.storage_nbytes:
             whole.setdefault(info.storage_id, []).append(info.storage_nbytes)
     return [size for sizes in whole.values() for size in sizes[1:]]
 

@@ -95,8 +95,8 @@ def test_learns_storage_skip_a_threshold_and_a_cpu_hand_back() -> None:
     assert rule.line == (
         "observed rule: skip rule not decided by this case (storages or objects or nothing), "
         "tensors under 1024 to 4096 elements stay (not decided by this case exactly), view copy "
-        "not decided by this case (gathered or whole storage), CPU reload hands back the host "
-        "copy, reloads keep the saved strides, every selected occurrence every step"
+        "not decided by this case (gathered or whole storage or base), CPU reload hands back the "
+        "host copy, reloads keep the saved strides, every selected occurrence every step"
     )
 
 
