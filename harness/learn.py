@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 from harness.offload.config import OffloadConfig
 from harness.offload.recorder import GroupObservation
-from harness.predict import Expected, GroupKey, Semantics, predict
+from harness.predict import Expected, GroupKey, Semantics, group_copies, kept_decisions
 
 LEARNING_STEPS = (0, 1)
 """The steps a rule is learned from: the warmup and the first steady step."""
@@ -118,11 +118,10 @@ def learn(
     preference; else the closest. ``relaid``: a reload came back with other strides than the
     saved tensor's (the layout baseline then applies)."""
     layout = "contiguous" if relaid else "saved"
-    scored: list[tuple[int, Semantics]] = []
-    for candidate in _candidates(observations, config, device_type):
-        rule = dataclasses.replace(candidate, reload_layout=layout)
-        misses = _misfits(rule, observations, config, order, measured, device_type)
-        scored.append((misses, rule))
+    scored = [
+        (misses, dataclasses.replace(rule, reload_layout=layout))
+        for misses, rule in _scored(observations, config, order, measured, device_type)
+    ]
     exact = [rule for misses, rule in scored if misses == 0]
     steps = LEARNING_STEPS[: len(measured)]
     if exact:
@@ -148,43 +147,71 @@ def learn(
     )
 
 
-def _misfits(
-    rule: Semantics,
+Fields = tuple[int, int, int, int]
+
+
+def _scored(
     observations: Sequence[GroupObservation],
     config: OffloadConfig,
     order: Sequence[tuple[str, int]],
     measured: Sequence[Mapping[GroupKey, Mapping[str, int]]],
     device_type: str,
-) -> int:
-    warmup, steady = predict(observations, config, order, rule)
-    misses = 0
-    for step, counts in enumerate(measured):
-        predicted = expected_fields(warmup if step == 0 else steady, rule, device_type)
-        moved = {k: dict(v) for k, v in counts.items() if any(v.values())}
-        misses += sum(predicted.get(k) != moved.get(k) for k in {*predicted, *moved})
-    return misses
+) -> Iterator[tuple[int, Semantics]]:
+    """(group occurrences of the learning steps it gets wrong, rule) for every candidate, in
+    order of preference. What a tensor rule copies per occurrence is worked out once for all
+    its policies, and Megatron's decisions once per distinct set of group sizes."""
+    keys = [(o.microbatch, o.layer, o.name) for o in observations]
+    seen = [
+        {k: tuple(v[f] for f in COUNTER_FIELDS) for k, v in counts.items() if any(v.values())}
+        for counts in measured
+    ]
+    decided: dict[tuple[object, ...], tuple[dict[GroupKey, str], dict[GroupKey, str]]] = {}
+    for tensor_rule in _tensor_rules(observations):
+        moved = {
+            k: group_copies(o, config, tensor_rule) for k, o in zip(keys, observations, strict=True)
+        }
+        sizes = {k: b for k, (_, b) in moved.items()}
+        for policy, last in POLICIES:
+            rule = dataclasses.replace(tensor_rule, policies=policy, keep_last=last)
+            memo = (policy, last, tuple(sizes.values()))
+            if memo not in decided:
+                decided[memo] = kept_decisions(keys, sizes, config, order, rule)
+            first, then = decided[memo]
+            for back in (True, False) if device_type != "cuda" else (True,):
+                final = dataclasses.replace(rule, host_reload=back)
+                returns = final.reloads_on(device_type)
+                misses = 0
+                for step, counts in enumerate(seen):
+                    kept = first if step == 0 else then
+                    predicted: dict[GroupKey, Fields] = {
+                        k: (c, b, c if returns else 0, b if returns else 0)
+                        for k, (c, b) in moved.items()
+                        if c and k not in kept
+                    }
+                    misses += sum(predicted.get(k) != counts.get(k) for k in {*predicted, *counts})
+                yield misses, final
 
 
-def _candidates(
-    observations: Sequence[GroupObservation], config: OffloadConfig, device_type: str
-) -> Iterator[Semantics]:
-    """Every rule within the protocol's freedoms, most expected first: the preference decides
-    between rules that predict the learning steps alike."""
+POLICIES = (("every", 0), ("megatron", 0), ("every", 1), ("every", 2))
+"""The occurrence policies a rule may have, in order of preference: every selected occurrence
+every step, Megatron's warmup and steady-state policies, all but the last one or two of each
+pass."""
+
+
+def _tensor_rules(observations: Sequence[GroupObservation]) -> Iterator[Semantics]:
+    """Every choice of which saved tensors move and how, most expected first: the preference
+    decides between rules that predict the learning steps alike."""
     sizes = sorted({s.numel for o in observations for s in o.saved if s.on_device and s.numel})
     thresholds: list[int | None] = [None, 0, *(n for n in sizes if n > 1)]  # None: the config's
-    reloads = (True, False) if device_type != "cuda" else (True,)
-    policies = (("every", 0), ("megatron", 0), ("every", 1), ("every", 2))
-    for (policy, last), skip, threshold, view, back in itertools.product(
-        policies, ("storage", "object", "none"), thresholds, ("gather", "coverage", "base"), reloads
+    for skip, threshold, view in itertools.product(
+        ("storage", "object", "none"), thresholds, ("gather", "coverage", "base")
     ):
         yield Semantics(
             view_copy=view,
             skip=skip,
-            policies=policy,
-            keep_last=last,
+            policies="every",
             size_threshold=threshold != 0,
             min_size=threshold,
-            host_reload=back,
             observed=True,
             label=OBSERVED_LABEL,
         )

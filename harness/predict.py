@@ -163,9 +163,10 @@ def skip_reason(
     return None
 
 
-def _group_bytes(
+def group_copies(
     obs: GroupObservation, config: OffloadConfig, semantics: Semantics
 ) -> tuple[int, int]:
+    """(copies, bytes) one offload of the group makes, out and (where it reloads) back."""
     moved = _copied(obs, config, semantics)
     return len(moved), sum(copy_bytes(s, semantics) for s in moved)
 
@@ -233,7 +234,7 @@ def predict(
     """
     keys = [(o.microbatch, o.layer, o.name) for o in observations]
     by_key = dict(zip(keys, observations, strict=True))
-    moved = {k: _group_bytes(o, config, semantics) for k, o in by_key.items()}
+    moved = {k: group_copies(o, config, semantics) for k, o in by_key.items()}
     warmup = {
         k: Expected(
             decision="offloaded",
@@ -244,13 +245,27 @@ def predict(
         )
         for k, (c, b) in moved.items()
     }
+    first, then = kept_decisions(
+        keys, {k: b for k, (_, b) in moved.items()}, config, order, semantics
+    )
+    warmup = {k: _kept(first[k], semantics) if k in first else e for k, e in warmup.items()}
+    steady = {k: _kept(then[k], semantics) if k in then else e for k, e in warmup.items()}
+    return warmup, steady
+
+
+def kept_decisions(
+    keys: list[GroupKey],
+    group_bytes: dict[GroupKey, int],
+    config: OffloadConfig,
+    order: Sequence[tuple[str, int]],
+    semantics: Semantics,
+) -> tuple[dict[GroupKey, str], dict[GroupKey, str]]:
+    """(warmup, steady) group occurrence -> ``kept:<why>`` for every occurrence the policies
+    keep on the device (``group_bytes``: what each would copy)."""
     if semantics.policies == "every":
         kept = _kept_last(keys, semantics.keep_last)
-        every = {k: _kept(kept[k], semantics) if k in kept else e for k, e in warmup.items()}
-        return every, dict(every)
-    kept = _steady_decisions(keys, {k: b for k, (_, b) in moved.items()}, config, order)
-    steady = {k: warmup[k] if k not in kept else _kept(kept[k], semantics) for k in keys}
-    return warmup, steady
+        return kept, kept
+    return {}, _steady_decisions(keys, group_bytes, config, order)
 
 
 def _kept(decision: str, semantics: Semantics) -> Expected:
