@@ -7,8 +7,8 @@ protocol leaves an offloader, one style each:
 ==================  ===========================================================================
 ``StorageSkip``     skips every tensor sharing a storage with a marked one; gathers views and
                     reloads them with the saved strides (``empty_strided``)
-``ObjectSkip``      skips ``Parameter`` objects and tensors themselves marked (by identity),
-                    compares nothing else; reloads contiguous
+``ObjectSkip``      skips by identity: ``Parameter`` objects, marked tensors and views whose
+                    ``_base`` is one; compares no storage; reloads contiguous
 ``SizeThreshold``   honours ``min_offloaded_tensor_size``, skips ``Parameter`` objects and marked
                     storages, and on a CPU device hands the host copy back from its unpack
 ``WholeStorage``    copies a view's whole storage and rebuilds the view from it on reload
@@ -111,14 +111,21 @@ class StorageSkip(_Base):
 
 
 class ObjectSkip(_Base):
-    """Skips ``Parameter`` objects and the very tensors marked; reloads contiguous."""
+    """Skips by object identity, never comparing storages: a ``Parameter``, a marked tensor, or
+    a view whose ``_base`` is one (autograd saves ``W.t()`` for a linear); reloads contiguous."""
 
     name = "object-skip"
 
     def stays(self, t: torch.Tensor) -> bool:
-        if t.device.type != self.device.type or isinstance(t, torch.nn.Parameter):
+        if t.device.type != self.device.type:
             return True
-        return any(t is m for m in self.marked) or self._marked_storage(t)
+        return any(self._weight(x) for x in (t, t._base) if x is not None)
+
+    def _weight(self, t: torch.Tensor) -> bool:
+        local = getattr(t, "_local_tensor", t)
+        return isinstance(t, torch.nn.Parameter) or any(
+            t is m or local is getattr(m, "_local_tensor", m) for m in self.marked
+        )
 
     def unpack(self, packed):  # noqa: ANN001, ANN201
         if isinstance(packed, torch.Tensor):
