@@ -537,7 +537,7 @@ def test_mutation_score_jobs_on_cuda(
     seen: list[tuple[Any, ...]] = []
     monkeypatch.setattr(mutation_score, "repeat_correct", lambda *args: seen.append(args) or 0)
     assert mutation_score.main([*argv, "--repeat-correct", "20"]) == 0
-    assert seen == [(20, device, "small" if device.type == "cuda" else "tiny", jobs)]
+    assert seen == [(20, device, "small" if device.type == "cuda" else "tiny", jobs, False)]
 
 
 @pytest.mark.parametrize(
