@@ -598,7 +598,7 @@ def test_mutation_score_repeat_correct_prints_times(
     monkeypatch.setattr(
         mutation_score,
         "run_correct_case",
-        lambda case, device, size, threads: ["boom"] if case.name == alarm else [],
+        lambda case, device, size, threads, undeclared: ["boom"] if case.name == alarm else [],
     )
     pools: list[int] = []
 
