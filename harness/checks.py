@@ -122,7 +122,74 @@ def _occurrences(keys: Iterable[GroupKey], limit: int = 6) -> str:
 
 
 def leak_problems(case: Case, res: CaseRun) -> list[str]:
-    """Per iteration: nothing left behind, pool buffers back, warmup first, pool stops growing."""
+    """Per iteration, from the harness's own records (any backend, no log needed): every saved
+    tensor a step's groups packed was unpacked by its backward, and the host memory the observed
+    D2H copies wrote that is still held at a step's end stops growing after the warmup, the
+    first steady step included. Where the offloader keeps a log, it is a cross-check: nothing
+    left behind, pool buffers back, warmup first, pool stops growing."""
+    problems = unpacked_problems(case, res) + held_problems(case, res)
+    if res.offload.logs:
+        problems += log_leak_problems(case, res)
+    if not torch.isfinite(res.offload.losses).all():
+        problems.append("non-finite losses in the offload run")
+    return problems
+
+
+def leak_evidence(res: CaseRun) -> str | None:
+    """Why the harness's own leak records cannot decide (None: they can): no observed step, or
+    no saved tensor packed through its windows and no host memory written by an observed D2H."""
+    if not res.packed:
+        return "the offload run observed no step"
+    if not any(res.packed) and not any(res.held) and not res.offload.logs:
+        return (
+            "the harness saw no saved tensor packed in its group windows (the backend's hooks "
+            "run outside them) and no host memory held, and the backend keeps no log"
+        )
+    return None
+
+
+def unpacked_problems(case: Case, res: CaseRun) -> list[str]:
+    """Saved tensors packed in a step's group windows that its backward never unpacked."""
+    problems = []
+    for step, (packed, unpacked) in enumerate(zip(res.packed, res.unpacked, strict=True)):
+        left = {k: n - unpacked.get(k, 0) for k, n in packed.items() if n > unpacked.get(k, 0)}
+        if left:
+            problems.append(
+                f"step {step}: {sum(left.values())} of {sum(packed.values())} saved tensors "
+                f"packed in the step's groups were never unpacked by its backward (harness "
+                f"pack/unpack records), in {_occurrences(left)}"
+            )
+    return problems
+
+
+def held_problems(case: Case, res: CaseRun) -> list[str]:
+    """Host memory held across iterations grows after the warmup (step 0): every step after
+    it must hold at most what the step before it held."""
+    totals = [sum(nbytes for _, _, nbytes in held) for held in res.held]
+    problems = []
+    for step in range(1, len(totals)):
+        if totals[step] <= totals[step - 1]:
+            continue
+        newer = Counter()
+        for written, key, nbytes in res.held[step]:
+            if written >= 1:
+                newer[(written, key)] += nbytes
+        where = "; ".join(
+            f"written in step {w}: {nbytes} B by {_occurrences([key])}"
+            for (w, key), nbytes in sorted(newer.items())[:6]
+        )
+        problems.append(
+            f"step {step}: host memory written by the offload copies and still held at the "
+            f"step's end grew from {totals[step - 1]} B to {totals[step]} B after the warmup "
+            f"(per step: {totals}); still alive: {where or 'none written after step 0'}"
+        )
+        break
+    return problems
+
+
+def log_leak_problems(case: Case, res: CaseRun) -> list[str]:
+    """The offloader's own log: nothing left behind, pool buffers back, warmup first, the pool
+    stops growing from the first steady step on."""
     logs = res.offload.logs
     evals = int(case.eval_first)  # the no-grad pass before step 0 ends an iteration too
     if len(logs) != case.steps + evals:
@@ -151,17 +218,20 @@ def leak_problems(case: Case, res: CaseRun) -> list[str]:
             offloaded = [r.key for r in log.groups if r.d2h_copies]
             problems.append(
                 f"step {log.iteration - evals}: {log.leaked_tensors} saved tensors never unpacked, "
-                f"{log.pool_in_use} pool buffers not returned; groups offloaded in that step: "
+                f"{log.pool_in_use} pool buffers not returned (the offloader's log); groups "
+                "offloaded in that step: "
                 + "; ".join(
                     f"{pass_label(mb, case.schedule)}: {_group_list(keys)}"
                     for mb, keys in sorted(_by_microbatch(offloaded).items())
                 )
             )
-    allocated = [log.pool_allocated for log in logs[evals + 1 :]]
+    # from the warmup's end on: a pool growing in the first steady step is growing too
+    allocated = [log.pool_allocated for log in logs[evals:]]
     if len(set(allocated)) > 1:
-        problems.append(f"pinned pool keeps allocating after the warmup: {allocated}")
-    if not torch.isfinite(res.offload.losses).all():
-        problems.append("non-finite losses in the offload run")
+        problems.append(
+            f"pinned pool keeps allocating after the warmup (buffers allocated at the end of "
+            f"steps 0..{case.steps - 1}): {allocated}"
+        )
     return problems
 
 

@@ -10,7 +10,9 @@ they run:
 =============  ===========================================================================
 equivalence    the offload happened in the warmup step, then losses, gradients and final
                weights equal the plain baseline (``harness.checks.equivalence_problems``)
-leaks          nothing saved is left behind after an iteration (needs the offloader's log)
+leaks          every saved tensor packed in a step is unpacked by its backward, and the host
+               memory the offloader holds stops growing after the warmup (the harness's own
+               pack/unpack and D2H records, any backend; the offloader's log a cross-check)
 transfers      per-group copies and bytes of the final step equal the prediction
 disabled       the disabled run copies nothing
 fidelity       only selected groups move, every predicted one does
@@ -35,6 +37,7 @@ from harness.checks import (
     disabled_problems,
     equivalence_problems,
     fidelity_problems,
+    leak_evidence,
     leak_problems,
     memory_problems,
     transfer_problems,
@@ -181,11 +184,18 @@ def _equivalence(runs: CaseRuns) -> CheckOutcome:
 
 def _leaks(runs: CaseRuns) -> CheckOutcome:
     res = runs.case_run()
-    if not res.offload.logs:
-        return CheckOutcome(
-            name="leaks", status="skip", reason="the backend under test keeps no iteration log"
-        )
-    return _from_problems("leaks", leak_problems(runs.case, res))
+    record = {
+        "leaks": {
+            "packed": [sum(p.values()) for p in res.packed],
+            "unpacked": [sum(u.values()) for u in res.unpacked],
+            "host_held_bytes": [sum(n for _, _, n in held) for held in res.held],
+            "log_cross_check": bool(res.offload.logs),
+        }
+    }
+    blind = leak_evidence(res)
+    if blind is not None:
+        return CheckOutcome(name="leaks", status="skip", reason=blind, record=record)
+    return _from_problems("leaks", leak_problems(runs.case, res), **record)
 
 
 def _transfers(runs: CaseRuns) -> CheckOutcome:
