@@ -3,9 +3,11 @@ run`` and mutation scoring.
 
 A check reads the runs it needs from a ``CaseRuns`` (each run made at most once, on first use) and
 returns a ``CheckOutcome``: ``pass``, ``fail`` with its problems, ``skip`` (the check applies but
-cannot be decided here, e.g. no golden trace for this machine) or ``n-a`` (it does not apply to
-this case or device, e.g. memory on CPU), the last two with the reason. The checks, in the order
-they run:
+cannot be decided here, e.g. no golden trace for this machine, the ZeRO-3 memory reading that
+freed blocks older than the runs, sync on megatron-core's models), ``n-a`` (it does not apply to
+this case or device, e.g. memory on CPU: decided before anything runs) or ``updated`` (golden with
+``--update-golden``: the trace was written, nothing compared), each but pass and fail with the
+reason. The checks, in the order they run:
 
 =============  ===========================================================================
 equivalence    the offload happened in the warmup step, then losses, gradients and final
@@ -51,7 +53,9 @@ from harness.runs import Refused
 from harness.sanitizer import describe
 from harness.syncguard import GUARDED_STEP
 
-STATUSES = ("pass", "fail", "skip", "n-a")
+STATUSES = ("pass", "fail", "skip", "n-a", "updated")
+"""``updated``: ``--update-golden`` wrote the golden trace the check would compare with, so it
+compared nothing (neither a pass nor a failure)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,7 +264,8 @@ def _memory(runs: CaseRuns) -> CheckOutcome:
             "were live before they started (an earlier run's, released meanwhile), so blocks "
             "of their own may hide at those addresses"
         )
-        return CheckOutcome(name="memory", status="n-a", reason=reason, record=memory_record(res))
+        # applies, measured, and cannot be decided here: a skip (n-a is decided before running)
+        return CheckOutcome(name="memory", status="skip", reason=reason, record=memory_record(res))
     return _from_problems("memory", memory_problems(res), **memory_record(res))
 
 
@@ -268,8 +273,8 @@ def _sync(runs: CaseRuns) -> CheckOutcome:
     if runs.env.device.type != "cuda":
         return _not_applicable("sync", "needs a CUDA device (host-device synchronisation)")
     unguarded = IMPLS[runs.case.impl].sync_guard
-    if unguarded is not None:
-        return _not_applicable("sync", unguarded)
+    if unguarded is not None:  # the check applies to the case; the guard cannot run there
+        return CheckOutcome(name="sync", status="skip", reason=unguarded)
     from harness.syncguard import HostSyncError
 
     res = runs.guarded()
@@ -285,6 +290,8 @@ def _golden(runs: CaseRuns) -> CheckOutcome:
     write = golden.update if runs.update_golden else golden.check
     outcome = write(runs.case.name, runs.case_run().plain.losses, here, runs.golden_variant)
     record = {"golden": outcome.record()}
+    if outcome.status == "updated":  # compared with nothing: it just wrote the trace
+        return CheckOutcome(name="golden", status="updated", reason=outcome.message, record=record)
     if outcome.status == "missing":
         return CheckOutcome(name="golden", status="skip", reason=outcome.message, record=record)
     problems = [] if outcome.ok else [outcome.message]
@@ -342,7 +349,8 @@ class Judgement:
     @property
     def verdict(self) -> str:
         """``fail`` if a check failed; ``skip`` if none failed and none passed but one skipped
-        (a configuration the model's library refuses); else ``pass``."""
+        (a configuration the model's library refuses); else ``pass`` (a golden trace
+        ``updated`` is no failure, and alone no pass either)."""
         statuses = {o.status for o in self.outcomes}
         if "fail" in statuses:
             return "fail"

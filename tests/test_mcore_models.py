@@ -543,7 +543,7 @@ def test_a_refused_configuration_is_a_skipped_case_everywhere(tmp_path: Path) ->
     refused = "megatron-core 0.19.2 refuses recompute moe with this case: AssertionError: no"
     outcomes = (
         judge.CheckOutcome(name="equivalence", status="skip", reason=refused),
-        judge.CheckOutcome(name="sync", status="n-a", reason="not guarded"),
+        judge.CheckOutcome(name="sync", status="skip", reason="not guarded"),
     )
     skipped = judge.Judgement(case=MCORE_KNOB_ROWS[0], outcomes=outcomes)
     assert skipped.verdict == "skip"
