@@ -63,6 +63,31 @@ def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str
     return problems
 
 
+def checksum_coverage(res: CaseRun) -> dict[str, int]:
+    """How many of the offload run's reloads were checksummed (pack against unpack): saved
+    tensors compared, saved tensors packed in the harness's windows, and D2H offload copies the
+    observer attributed to a group over every step (what moved)."""
+    return {
+        "compared": res.checksummed,
+        "packed": sum(sum(p.values()) for p in res.packed),
+        "offload_copies": sum(c.totals()["d2h"].copies for c in res.per_step),
+    }
+
+
+def checksum_gap(coverage: dict[str, int]) -> str:
+    """Why the checksum part of equivalence decided nothing (empty: it compared reloads): the
+    run moved tensors but none could be checksummed - the backend's saved-tensor hooks run
+    outside the harness's group windows, so no pack or unpack passed through its wrapper."""
+    if coverage["compared"] or not coverage["offload_copies"]:
+        return ""
+    return (
+        f"checksum part skipped: the offload run made {coverage['offload_copies']} offload "
+        f"copies but no reload could be checksummed ({coverage['packed']} saved tensors packed "
+        "through the harness's group windows: the backend's saved-tensor hooks run outside "
+        "them); losses, gradients and weights were still compared"
+    )
+
+
 def suspect_groups(case: Case, res: CaseRun) -> str:
     """The groups offloaded in the first step whose gradients or losses differ, per microbatch:
     a corrupted reload shows in that step's gradients (its losses diverge one step later)."""

@@ -28,6 +28,7 @@ golden         the plain baseline equals this machine's golden trace (``harness.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from typing import Any
 from harness import fingerprint, golden
 from harness.cases import Case
 from harness.checks import (
+    checksum_coverage,
+    checksum_gap,
     disabled_problems,
     equivalence_problems,
     fidelity_problems,
@@ -181,9 +184,13 @@ class _Raised:
 
 def _equivalence(runs: CaseRuns) -> CheckOutcome:
     res = runs.case_run()
-    return _from_problems(
+    outcome = _from_problems(
         "equivalence", equivalence_problems(runs.case, res, runs.env), **case_record(res)
     )
+    gap = checksum_gap(checksum_coverage(res))
+    if gap and outcome.status == "pass":  # visible: never a silent pass of the checksum part
+        return dataclasses.replace(outcome, reason=gap)
+    return outcome
 
 
 def _leaks(runs: CaseRuns) -> CheckOutcome:

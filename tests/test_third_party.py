@@ -66,6 +66,11 @@ def test_example_passes_counted_by_harness_windows_alone() -> None:
     moved = res.measured
     assert moved and all(f["d2h_copies"] == f["h2d_copies"] > 0 for f in moved.values()), moved
     judgement = _judge("my_offloader:MyOffloader")
+    coverage = judgement.record()["checksums"]  # summary.json's checksum coverage
+    # every saved tensor packed in a window was unpacked and compared; ROW moves 28 per step
+    # (the leaks record's pack count), over its 6 steps
+    assert coverage["compared"] == coverage["packed"] == 6 * 28, coverage
+    assert coverage["offload_copies"] > 0, coverage
     assert _statuses(judgement) == {
         "equivalence": "pass",
         "leaks": "pass",  # judged from the harness's own records: it keeps no log
