@@ -14,6 +14,7 @@ import re
 import shlex
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -361,31 +362,52 @@ def disabled_problems(res: CaseRun) -> list[str]:
 
 
 def fidelity_problems(case: Case, res: CaseRun, spec: ModelSpec) -> list[str]:
-    """Only selected groups move, and exactly the selected groups the prediction moves."""
+    """Name fidelity in every step, from the copy observer's per-step record by the harness's
+    own windows (not the final step's counts, which ``transfers`` reads, nor the offloader's
+    ranges): no step copies inside an unselected group's window, and every selected name the
+    prediction moves in a step (the warmup's in step 0, the steady state's after) moves in
+    that step. The first three steps with a problem are named."""
     selected = set(case.offload)
-    predicted = {name for (_, _, name), e in res.expected.items() if e.copies}
-    moved = res.moved_names()
-    moved_keys = [k for k, f in res.measured.items() if f["d2h_copies"]]
-    final = f"step {case.steps - 1} (the final step)"
+    problems: list[str] = []
+    for step, counts in enumerate(res.per_step):
+        expected = res.warmup_expected if step == 0 else res.expected
+        lines = _step_fidelity(step, counts.by_group(), expected, selected, spec)
+        if lines:
+            problems += lines
+            if len({p.split(":")[0] for p in problems}) >= 3:
+                break
+    return problems
+
+
+def _step_fidelity(
+    step: int,
+    measured: dict[GroupKey, dict[str, int]],
+    expected: dict[GroupKey, Any],
+    selected: set[str],
+    spec: ModelSpec,
+) -> list[str]:
+    moved_keys = [k for k, f in measured.items() if f["d2h_copies"]]
+    moved = {name for _, _, name in moved_keys}
+    predicted = {name for (_, _, name), e in expected.items() if e.copies}
     problems = []
     if not moved <= selected:
         unselected = [k for k in moved_keys if k[2] not in selected]
         problems.append(
-            f"{final}: unselected groups moved: {sorted(moved - selected)}, in "
+            f"step {step}: unselected groups moved: {sorted(moved - selected)}, in "
             f"{_occurrences(unselected)}"
         )
-    if moved != predicted:
-        odd = [k for k in moved_keys if k[2] not in predicted]
-        odd += [k for k, e in res.expected.items() if e.copies and k[2] not in moved]
+    if not predicted <= moved:
+        missing = [k for k, e in expected.items() if e.copies and k[2] not in moved]
         problems.append(
-            f"{final}: groups moved {sorted(moved)}, predicted {sorted(predicted)}; differing "
-            f"occurrences: {_occurrences(odd)}"
+            f"step {step}: selected groups the prediction moves did not move: "
+            f"{sorted(predicted - moved)}, predicted in {_occurrences(missing)}"
         )
     fc1_alone = "moe_act" in selected and "expert_fc1" not in selected
     if spec.moe_path == "unfused" and fc1_alone and "expert_fc1" in moved:
         fc1 = [k for k in moved_keys if k[2] == "expert_fc1"]
         problems.append(
-            f"{final}: fc1's input moved although only moe_act is selected, in {_occurrences(fc1)}"
+            f"step {step}: fc1's input moved although only moe_act is selected, in "
+            f"{_occurrences(fc1)}"
         )
     return problems
 

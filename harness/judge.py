@@ -17,7 +17,8 @@ leaks          every saved tensor packed in a step is unpacked by its backward, 
                pack/unpack and D2H records, any backend; the offloader's log a cross-check)
 transfers      per-group copies and bytes of the final step equal the prediction
 disabled       the disabled run copies nothing
-fidelity       only selected groups move, every predicted one does
+fidelity       in every step, by the harness's own windows: no unselected group's window
+               copies, every name the prediction moves in that step moves
 weights        no parameter storage (nor a cast of one, nor a marked tensor) is copied out in
                any step (n-a for a backend declaring that parameters move)
 memory         CUDA: memory after the last forward drops by what the in-flight groups free
