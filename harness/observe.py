@@ -229,7 +229,8 @@ class _WindowGroup:
         if pushed is not None and (below is None or pushed[0] is not below[0]):
             # Learn what the group saves: swap the pack hook the offloader pushed for one that
             # notes each saved tensor's storage, then calls it (its own __exit__ pops the top
-            # pair, so the stack stays balanced); with checksums, the unpack hook too.
+            # pair, so the stack stays balanced), and the unpack hook for one that counts each
+            # unpack (``_summing``; with checksums, sums what it returns).
             pack, unpack = pushed
             hooks._pop_saved_tensors_default_hooks()
             hooks._push_saved_tensors_default_hooks(
@@ -393,10 +394,6 @@ class Observed:
     """(step written, group, bytes) of every host storage a D2H of this or an earlier observed
     step wrote that is still alive at this step's end (after its iteration ended): the host
     memory the offloader holds across iterations."""
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(nbytes for _, _, nbytes in self.held)
 
     ranged: list[tuple[RangeKey, int]] = field(default_factory=list)
     """On a CPU device: every copy op issued inside one of the offloader's own ranges
