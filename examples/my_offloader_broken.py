@@ -1,4 +1,4 @@
-"""Three broken variants of ``my_offloader.MyOffloader``, each a bug class the harness must catch
+"""Four broken variants of ``my_offloader.MyOffloader``, each a bug class the harness must catch
 with a message naming the step, microbatch, layer and group (tests/test_third_party.py).
 
     cd examples && offload-harness run --backend my_offloader_broken:DropsOneReload
@@ -54,3 +54,26 @@ class Pageable(MyOffloader):
         if self.stays(t):
             return t
         return t.device, torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
+class KeepsOnePerStep(MyOffloader):
+    """The first tensor each step copies out is kept on the host for good and never unpacked
+    (backward gets the device tensor): host memory grows by one copy per step."""
+
+    name = "my-offloader.keeps-one-per-step"
+
+    def __init__(self, config, device):
+        super().__init__(config, device)
+        self.kept, self.kept_this_step = [], False
+
+    def pack(self, t):
+        packed = super().pack(t)
+        if isinstance(packed, torch.Tensor) or self.kept_this_step:
+            return packed
+        self.kept.append(packed[1])  # the bug: held across iterations, never handed back
+        self.kept_this_step = True
+        return t
+
+    def end_iteration(self):
+        super().end_iteration()
+        self.kept_this_step = False

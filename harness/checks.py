@@ -14,6 +14,7 @@ import re
 import shlex
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -61,6 +62,31 @@ def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str
         problems.append(loss_table(res.baseline.losses, res.offload.losses))
         problems.append(repro_hint(case, env))
     return problems
+
+
+def checksum_coverage(res: CaseRun) -> dict[str, int]:
+    """How many of the offload run's reloads were checksummed (pack against unpack): saved
+    tensors compared, saved tensors packed in the harness's windows, and D2H offload copies the
+    observer attributed to a group over every step (what moved)."""
+    return {
+        "compared": res.checksummed,
+        "packed": sum(sum(p.values()) for p in res.packed),
+        "offload_copies": sum(c.totals()["d2h"].copies for c in res.per_step),
+    }
+
+
+def checksum_gap(coverage: dict[str, int]) -> str:
+    """Why the checksum part of equivalence decided nothing (empty: it compared reloads): the
+    run moved tensors but none could be checksummed - the backend's saved-tensor hooks run
+    outside the harness's group windows, so no pack or unpack passed through its wrapper."""
+    if coverage["compared"] or not coverage["offload_copies"]:
+        return ""
+    return (
+        f"checksum part skipped: the offload run made {coverage['offload_copies']} offload "
+        f"copies but no reload could be checksummed ({coverage['packed']} saved tensors packed "
+        "through the harness's group windows: the backend's saved-tensor hooks run outside "
+        "them); losses, gradients and weights were still compared"
+    )
 
 
 def suspect_groups(case: Case, res: CaseRun) -> str:
@@ -122,7 +148,74 @@ def _occurrences(keys: Iterable[GroupKey], limit: int = 6) -> str:
 
 
 def leak_problems(case: Case, res: CaseRun) -> list[str]:
-    """Per iteration: nothing left behind, pool buffers back, warmup first, pool stops growing."""
+    """Per iteration, from the harness's own records (any backend, no log needed): every saved
+    tensor a step's groups packed was unpacked by its backward, and the host memory the observed
+    D2H copies wrote that is still held at a step's end stops growing after the warmup, the
+    first steady step included. Where the offloader keeps a log, it is a cross-check: nothing
+    left behind, pool buffers back, warmup first, pool stops growing."""
+    problems = unpacked_problems(case, res) + held_problems(case, res)
+    if res.offload.logs:
+        problems += log_leak_problems(case, res)
+    if not torch.isfinite(res.offload.losses).all():
+        problems.append("non-finite losses in the offload run")
+    return problems
+
+
+def leak_evidence(res: CaseRun) -> str | None:
+    """Why the harness's own leak records cannot decide (None: they can): no observed step, or
+    no saved tensor packed through its windows and no host memory written by an observed D2H."""
+    if not res.packed:
+        return "the offload run observed no step"
+    if not any(res.packed) and not any(res.held) and not res.offload.logs:
+        return (
+            "the harness saw no saved tensor packed in its group windows (the backend's hooks "
+            "run outside them) and no host memory held, and the backend keeps no log"
+        )
+    return None
+
+
+def unpacked_problems(case: Case, res: CaseRun) -> list[str]:
+    """Saved tensors packed in a step's group windows that its backward never unpacked."""
+    problems = []
+    for step, (packed, unpacked) in enumerate(zip(res.packed, res.unpacked, strict=True)):
+        left = {k: n - unpacked.get(k, 0) for k, n in packed.items() if n > unpacked.get(k, 0)}
+        if left:
+            problems.append(
+                f"step {step}: {sum(left.values())} of {sum(packed.values())} saved tensors "
+                f"packed in the step's groups were never unpacked by its backward (harness "
+                f"pack/unpack records), in {_occurrences(left)}"
+            )
+    return problems
+
+
+def held_problems(case: Case, res: CaseRun) -> list[str]:
+    """Host memory held across iterations grows after the warmup (step 0): every step after
+    it must hold at most what the step before it held."""
+    totals = [sum(nbytes for _, _, nbytes in held) for held in res.held]
+    problems = []
+    for step in range(1, len(totals)):
+        if totals[step] <= totals[step - 1]:
+            continue
+        newer = Counter()
+        for written, key, nbytes in res.held[step]:
+            if written >= 1:
+                newer[(written, key)] += nbytes
+        where = "; ".join(
+            f"written in step {w}: {nbytes} B by {_occurrences([key])}"
+            for (w, key), nbytes in sorted(newer.items())[:6]
+        )
+        problems.append(
+            f"step {step}: host memory written by the offload copies and still held at the "
+            f"step's end grew from {totals[step - 1]} B to {totals[step]} B after the warmup "
+            f"(per step: {totals}); still alive: {where or 'none written after step 0'}"
+        )
+        break
+    return problems
+
+
+def log_leak_problems(case: Case, res: CaseRun) -> list[str]:
+    """The offloader's own log: nothing left behind, pool buffers back, warmup first, the pool
+    stops growing from the first steady step on."""
     logs = res.offload.logs
     evals = int(case.eval_first)  # the no-grad pass before step 0 ends an iteration too
     if len(logs) != case.steps + evals:
@@ -151,17 +244,20 @@ def leak_problems(case: Case, res: CaseRun) -> list[str]:
             offloaded = [r.key for r in log.groups if r.d2h_copies]
             problems.append(
                 f"step {log.iteration - evals}: {log.leaked_tensors} saved tensors never unpacked, "
-                f"{log.pool_in_use} pool buffers not returned; groups offloaded in that step: "
+                f"{log.pool_in_use} pool buffers not returned (the offloader's log); groups "
+                "offloaded in that step: "
                 + "; ".join(
                     f"{pass_label(mb, case.schedule)}: {_group_list(keys)}"
                     for mb, keys in sorted(_by_microbatch(offloaded).items())
                 )
             )
-    allocated = [log.pool_allocated for log in logs[evals + 1 :]]
+    # from the warmup's end on: a pool growing in the first steady step is growing too
+    allocated = [log.pool_allocated for log in logs[evals:]]
     if len(set(allocated)) > 1:
-        problems.append(f"pinned pool keeps allocating after the warmup: {allocated}")
-    if not torch.isfinite(res.offload.losses).all():
-        problems.append("non-finite losses in the offload run")
+        problems.append(
+            f"pinned pool keeps allocating after the warmup (buffers allocated at the end of "
+            f"steps 0..{case.steps - 1}): {allocated}"
+        )
     return problems
 
 
@@ -278,31 +374,52 @@ def disabled_problems(res: CaseRun) -> list[str]:
 
 
 def fidelity_problems(case: Case, res: CaseRun, spec: ModelSpec) -> list[str]:
-    """Only selected groups move, and exactly the selected groups the prediction moves."""
+    """Name fidelity in every step, from the copy observer's per-step record by the harness's
+    own windows (not the final step's counts, which ``transfers`` reads, nor the offloader's
+    ranges): no step copies inside an unselected group's window, and every selected name the
+    prediction moves in a step (the warmup's in step 0, the steady state's after) moves in
+    that step. The first three steps with a problem are named."""
     selected = set(case.offload)
-    predicted = {name for (_, _, name), e in res.expected.items() if e.copies}
-    moved = res.moved_names()
-    moved_keys = [k for k, f in res.measured.items() if f["d2h_copies"]]
-    final = f"step {case.steps - 1} (the final step)"
+    problems: list[str] = []
+    for step, counts in enumerate(res.per_step):
+        expected = res.warmup_expected if step == 0 else res.expected
+        lines = _step_fidelity(step, counts.by_group(), expected, selected, spec)
+        if lines:
+            problems += lines
+            if len({p.split(":")[0] for p in problems}) >= 3:
+                break
+    return problems
+
+
+def _step_fidelity(
+    step: int,
+    measured: dict[GroupKey, dict[str, int]],
+    expected: dict[GroupKey, Any],
+    selected: set[str],
+    spec: ModelSpec,
+) -> list[str]:
+    moved_keys = [k for k, f in measured.items() if f["d2h_copies"]]
+    moved = {name for _, _, name in moved_keys}
+    predicted = {name for (_, _, name), e in expected.items() if e.copies}
     problems = []
     if not moved <= selected:
         unselected = [k for k in moved_keys if k[2] not in selected]
         problems.append(
-            f"{final}: unselected groups moved: {sorted(moved - selected)}, in "
+            f"step {step}: unselected groups moved: {sorted(moved - selected)}, in "
             f"{_occurrences(unselected)}"
         )
-    if moved != predicted:
-        odd = [k for k in moved_keys if k[2] not in predicted]
-        odd += [k for k, e in res.expected.items() if e.copies and k[2] not in moved]
+    if not predicted <= moved:
+        missing = [k for k, e in expected.items() if e.copies and k[2] not in moved]
         problems.append(
-            f"{final}: groups moved {sorted(moved)}, predicted {sorted(predicted)}; differing "
-            f"occurrences: {_occurrences(odd)}"
+            f"step {step}: selected groups the prediction moves did not move: "
+            f"{sorted(predicted - moved)}, predicted in {_occurrences(missing)}"
         )
     fc1_alone = "moe_act" in selected and "expert_fc1" not in selected
     if spec.moe_path == "unfused" and fc1_alone and "expert_fc1" in moved:
         fc1 = [k for k in moved_keys if k[2] == "expert_fc1"]
         problems.append(
-            f"{final}: fc1's input moved although only moe_act is selected, in {_occurrences(fc1)}"
+            f"step {step}: fc1's input moved although only moe_act is selected, in "
+            f"{_occurrences(fc1)}"
         )
     return problems
 

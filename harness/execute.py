@@ -325,6 +325,14 @@ class CaseRun:
     checksum in the offload run (``harness.observe.checksum``), in order."""
     checksummed: int = 0
     """Saved tensors whose pack and unpack checksums were compared in the offload run."""
+    packed: tuple[dict[GroupKey, int], ...] = ()
+    """Per step of the offload run: saved tensors each group occurrence packed through the
+    harness's swapped pack hook (``harness.observe.Observed.packed``)."""
+    unpacked: tuple[dict[GroupKey, int], ...] = ()
+    """Per step: how many of those its backward unpacked, by group occurrence."""
+    held: tuple[tuple[tuple[int, GroupKey, int], ...], ...] = ()
+    """Per step: (step written, group, bytes) of the host storages observed D2H copies wrote
+    that were still alive at the step's end (``harness.observe.Observed.held``)."""
     weight_copies: tuple[tuple[int, Copy], ...] = ()
     """(step, copy) of every D2H in the offload run whose source is a weight: a parameter's
     storage, a cast of a parameter a group saved, or a tensor the model marked
@@ -645,6 +653,9 @@ def run_case(case: Case, env: Environment) -> CaseRun:
         weights_known=weights_known,
         d2h_watched=sum(c.direction == "d2h" for o in mine for c in o.copies),
         checksummed=sum(o.checksummed for o in seen),
+        packed=tuple(dict(o.packed) for o in seen),
+        unpacked=tuple(dict(o.unpacked) for o in seen),
+        held=tuple(tuple(o.held) for o in seen),
         warmup_expected=warmup,
         warmup_transfers=attribution.warmup,
         proof_problems=offload_proof(

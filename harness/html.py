@@ -58,6 +58,7 @@ def _outcomes(cases: list[dict[str, Any]]) -> str:
         + (f", {skipped} skipped" if skipped else "")
         + f"; golden traces: {golden.count('match')} match, "
         f"{drift} drifted, {golden.count('missing')} missing"
+        + (f", {golden.count('updated')} updated" if "updated" in golden else "")
     )
 
 

@@ -3,17 +3,22 @@ run`` and mutation scoring.
 
 A check reads the runs it needs from a ``CaseRuns`` (each run made at most once, on first use) and
 returns a ``CheckOutcome``: ``pass``, ``fail`` with its problems, ``skip`` (the check applies but
-cannot be decided here, e.g. no golden trace for this machine) or ``n-a`` (it does not apply to
-this case or device, e.g. memory on CPU), the last two with the reason. The checks, in the order
-they run:
+cannot be decided here, e.g. no golden trace for this machine, the ZeRO-3 memory reading that
+freed blocks older than the runs, sync on megatron-core's models), ``n-a`` (it does not apply to
+this case or device, e.g. memory on CPU: decided before anything runs) or ``updated`` (golden with
+``--update-golden``: the trace was written, nothing compared), each but pass and fail with the
+reason. The checks, in the order they run:
 
 =============  ===========================================================================
 equivalence    the offload happened in the warmup step, then losses, gradients and final
                weights equal the plain baseline (``harness.checks.equivalence_problems``)
-leaks          nothing saved is left behind after an iteration (needs the offloader's log)
+leaks          every saved tensor packed in a step is unpacked by its backward, and the host
+               memory the offloader holds stops growing after the warmup (the harness's own
+               pack/unpack and D2H records, any backend; the offloader's log a cross-check)
 transfers      per-group copies and bytes of the final step equal the prediction
 disabled       the disabled run copies nothing
-fidelity       only selected groups move, every predicted one does
+fidelity       in every step, by the harness's own windows: no unselected group's window
+               copies, every name the prediction moves in that step moves
 weights        no parameter storage (nor a cast of one, nor a marked tensor) is copied out in
                any step (n-a for a backend declaring that parameters move)
 memory         CUDA: memory after the last forward drops by what the in-flight groups free
@@ -33,9 +38,12 @@ from typing import Any
 from harness import fingerprint, golden
 from harness.cases import Case
 from harness.checks import (
+    checksum_coverage,
+    checksum_gap,
     disabled_problems,
     equivalence_problems,
     fidelity_problems,
+    leak_evidence,
     leak_problems,
     memory_problems,
     transfer_problems,
@@ -49,7 +57,9 @@ from harness.runs import Refused
 from harness.sanitizer import describe
 from harness.syncguard import GUARDED_STEP
 
-STATUSES = ("pass", "fail", "skip", "n-a")
+STATUSES = ("pass", "fail", "skip", "n-a", "updated")
+"""``updated``: ``--update-golden`` wrote the golden trace the check would compare with, so it
+compared nothing (neither a pass nor a failure)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,18 +190,29 @@ class _Raised:
 
 def _equivalence(runs: CaseRuns) -> CheckOutcome:
     res = runs.case_run()
-    return _from_problems(
+    outcome = _from_problems(
         "equivalence", equivalence_problems(runs.case, res, runs.env), **case_record(res)
     )
+    gap = checksum_gap(checksum_coverage(res))
+    if gap and outcome.status == "pass":  # visible: never a silent pass of the checksum part
+        return dataclasses.replace(outcome, reason=gap)
+    return outcome
 
 
 def _leaks(runs: CaseRuns) -> CheckOutcome:
     res = runs.case_run()
-    if not res.offload.logs:
-        return CheckOutcome(
-            name="leaks", status="skip", reason="the backend under test keeps no iteration log"
-        )
-    return _from_problems("leaks", leak_problems(runs.case, res))
+    record = {
+        "leaks": {
+            "packed": [sum(p.values()) for p in res.packed],
+            "unpacked": [sum(u.values()) for u in res.unpacked],
+            "host_held_bytes": [sum(n for _, _, n in held) for held in res.held],
+            "log_cross_check": bool(res.offload.logs),
+        }
+    }
+    blind = leak_evidence(res)
+    if blind is not None:
+        return CheckOutcome(name="leaks", status="skip", reason=blind, record=record)
+    return _from_problems("leaks", leak_problems(runs.case, res), **record)
 
 
 def _transfers(runs: CaseRuns) -> CheckOutcome:
@@ -263,7 +284,8 @@ def _memory(runs: CaseRuns) -> CheckOutcome:
             "were live before they started (an earlier run's, released meanwhile), so blocks "
             "of their own may hide at those addresses"
         )
-        return CheckOutcome(name="memory", status="n-a", reason=reason, record=memory_record(res))
+        # applies, measured, and cannot be decided here: a skip (n-a is decided before running)
+        return CheckOutcome(name="memory", status="skip", reason=reason, record=memory_record(res))
     return _from_problems("memory", memory_problems(res), **memory_record(res))
 
 
@@ -271,8 +293,8 @@ def _sync(runs: CaseRuns) -> CheckOutcome:
     if runs.env.device.type != "cuda":
         return _not_applicable("sync", "needs a CUDA device (host-device synchronisation)")
     unguarded = IMPLS[runs.case.impl].sync_guard
-    if unguarded is not None:
-        return _not_applicable("sync", unguarded)
+    if unguarded is not None:  # the check applies to the case; the guard cannot run there
+        return CheckOutcome(name="sync", status="skip", reason=unguarded)
     from harness.syncguard import HostSyncError
 
     res = runs.guarded()
@@ -288,6 +310,8 @@ def _golden(runs: CaseRuns) -> CheckOutcome:
     write = golden.update if runs.update_golden else golden.check
     outcome = write(runs.case.name, runs.case_run().plain.losses, here, runs.golden_variant)
     record = {"golden": outcome.record()}
+    if outcome.status == "updated":  # compared with nothing: it just wrote the trace
+        return CheckOutcome(name="golden", status="updated", reason=outcome.message, record=record)
     if outcome.status == "missing":
         return CheckOutcome(name="golden", status="skip", reason=outcome.message, record=record)
     problems = [] if outcome.ok else [outcome.message]
@@ -345,7 +369,8 @@ class Judgement:
     @property
     def verdict(self) -> str:
         """``fail`` if a check failed; ``skip`` if none failed and none passed but one skipped
-        (a configuration the model's library refuses); else ``pass``."""
+        (a configuration the model's library refuses); else ``pass`` (a golden trace
+        ``updated`` is no failure, and alone no pass either)."""
         statuses = {o.status for o in self.outcomes}
         if "fail" in statuses:
             return "fail"

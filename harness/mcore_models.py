@@ -232,11 +232,26 @@ def transformer_config(
     make(**fields)  # without the knobs first: an error there is the harness's, not a refusal
     try:
         return make(**fields, **knobs)
-    except (ValueError, AssertionError, TypeError, NotImplementedError) as exc:
+    except (ValueError, AssertionError, NotImplementedError) as exc:
+        if not raised_by_megatron(exc):
+            raise  # ours (a knob mapped wrongly): an error of the case, never a skip
         raise Refused(
             f"megatron-core {_version()} refuses {_knob_text(spec)} with this case: "
             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
         ) from exc
+
+
+def raised_by_megatron(exc: BaseException) -> bool:
+    """Whether megatron-core's own code raised ``exc``: its innermost frame runs a module of
+    ``megatron.core`` (a config's ``__post_init__`` refusing a combination). A ``TypeError``
+    (a keyword the config does not take: a field we renamed) is never caught as a refusal, and
+    an error raised anywhere else is the harness's wiring, an error of the case."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", "")).startswith("megatron.core")
 
 
 def knob_fields(spec: ModelSpec) -> dict[str, Any]:

@@ -46,6 +46,7 @@ profiler's memcpy totals, so such copies show up as a difference.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import threading
 import weakref
@@ -99,6 +100,12 @@ class _WindowState:
         """The group whose saved-tensor pack hook runs now."""
         self.checksums = False
         """Whether observed steps checksum every saved tensor at pack and at unpack."""
+        self.written: dict[int, _Written] = {}
+        """Host address -> the storage a D2H of an observed step wrote there (weakly), its
+        group and that step, across the run's steps: what of it is still alive at a step's end
+        is host memory the offloader holds across iterations (``Observed.held``)."""
+        self.steps = 0
+        """Observed steps begun so far (every step of the offload run is observed)."""
         self.weights: dict[int, list[_Noted]] = {}
         """Storage address -> every parameter of the run's model in that storage (several where
         a framework keeps them in one buffer, e.g. megatron-core's DDP), with its byte range
@@ -179,21 +186,37 @@ def _layout(tensor: torch.Tensor) -> tuple[int, ...]:
 
 
 class _Summed:
-    """What the harness's pack hook hands autograd: the offloader's packed object and the
-    checksum record (the unpack hook unwraps it before calling the offloader's)."""
+    """What the harness's pack hook hands autograd: the offloader's packed object, the group
+    that packed it and the checksum record (the unpack hook unwraps it before calling the
+    offloader's)."""
 
-    __slots__ = ("packed", "record")
+    __slots__ = ("key", "packed", "record")
 
-    def __init__(self, packed: Any, record: _SumRecord | None) -> None:
-        self.packed, self.record = packed, record
+    def __init__(self, packed: Any, record: _SumRecord | None, key: GroupKey) -> None:
+        self.packed, self.record, self.key = packed, record, key
+
+
+class _Written:
+    """A host storage an observed D2H wrote: weakly, with its group and step."""
+
+    __slots__ = ("group", "ref", "step")
+
+    def __init__(self, storage: torch.UntypedStorage, group: GroupKey, step: int) -> None:
+        self.ref, self.group, self.step = weakref.ref(storage), group, step
 
 
 def _summing(unpack: Any, state: _WindowState) -> Any:
+    """``unpack`` behind the harness's wrapper: each unpack of a tensor packed through the
+    swapped pack hook is counted (``Observed.unpacked``), and with checksums its value summed."""
+
     def unpacked(item: Any) -> Any:
         if not isinstance(item, _Summed):
             return unpack(item)
         tensor = unpack(item.packed)
         record, observer = item.record, state.observer
+        if observer is not None:
+            with observer.lock:
+                observer.observed.unpacked[item.key] += 1
         if record is not None and record.packed is not None and observer is not None:
             if isinstance(tensor, torch.Tensor):
                 record.reloaded = checksum(tensor)
@@ -227,12 +250,13 @@ class _WindowGroup:
         if pushed is not None and (below is None or pushed[0] is not below[0]):
             # Learn what the group saves: swap the pack hook the offloader pushed for one that
             # notes each saved tensor's storage, then calls it (its own __exit__ pops the top
-            # pair, so the stack stays balanced); with checksums, the unpack hook too.
+            # pair, so the stack stays balanced), and the unpack hook for one that counts each
+            # unpack (``_summing``; with checksums, sums what it returns).
             pack, unpack = pushed
-            if self.state.checksums:
-                unpack = _summing(unpack, self.state)
             hooks._pop_saved_tensors_default_hooks()
-            hooks._push_saved_tensors_default_hooks(self._noting(pack), unpack)
+            hooks._push_saved_tensors_default_hooks(
+                self._noting(pack), _summing(unpack, self.state)
+            )
         return self
 
     def _noting(self, pack: Any) -> Any:
@@ -245,6 +269,8 @@ class _WindowGroup:
             if observer is not None:
                 observer.saved_by(tensor, key)
                 observer.note_cast(tensor)
+                with observer.lock:
+                    observer.observed.packed[key] += 1
                 if summed:
                     record = _SumRecord(key, next(count), tensor, checksum(tensor), state.chunks)
             previous, state.packing = state.packing, key
@@ -252,7 +278,7 @@ class _WindowGroup:
                 packed = pack(tensor)
             finally:
                 state.packing = previous
-            return _Summed(packed, record) if summed else packed
+            return _Summed(packed, record, key)
 
         return noted
 
@@ -383,6 +409,16 @@ class Observed:
     relaid: int = 0
     """With checksums: reloads whose strides differ from the saved tensor's (an offloader whose
     reload comes back contiguous, as ``save_on_cpu``'s does)."""
+    packed: Counter[GroupKey] = field(default_factory=Counter)
+    """Saved tensors each group occurrence packed through the harness's swapped pack hook in
+    the step (none where the offloader's hooks run outside the harness's windows)."""
+    unpacked: Counter[GroupKey] = field(default_factory=Counter)
+    """How many of those the step's backward unpacked, by the group that packed them."""
+    held: list[tuple[int, GroupKey, int]] = field(default_factory=list)
+    """(step written, group, bytes) of every host storage a D2H of this or an earlier observed
+    step wrote that is still alive at this step's end (after its iteration ended): the host
+    memory the offloader holds across iterations."""
+
     ranged: list[tuple[RangeKey, int]] = field(default_factory=list)
     """On a CPU device: every copy op issued inside one of the offloader's own ranges
     (``harness.offload.ranges.profiler_range``), with the destination's bytes, keyed by the
@@ -673,7 +709,9 @@ class CopyObserver(TorchDispatchMode):
 
     def _wrote(self, dst: torch.Tensor, group: GroupKey) -> None:
         self.written[dst.data_ptr()] = group
-        self.keep.append(dst.untyped_storage())
+        storage = dst.untyped_storage()
+        self.keep.append(storage)
+        self.state.written[storage.data_ptr()] = _Written(storage, group, self.state.steps - 1)
 
     def _add(
         self,
@@ -710,10 +748,28 @@ def observe(offloader: Offloader, device: torch.device, sink: list[Observed]) ->
     if not isinstance(offloader, Windowed):
         raise TypeError("observe() needs the run's offloader wrapped in harness.observe.Windowed")
     mode = CopyObserver(offloader.state, device)
+    offloader.state.steps += 1
     offloader.state.observer = mode
     try:
         with watching(), mode:
             yield
     finally:
         offloader.state.observer = None
+        mode.keep.clear()  # the observer's own hold on what the D2H copies wrote ends here
+    mode.observed.held = held(offloader.state)
     sink.append(mode.observed)
+
+
+def held(state: _WindowState) -> list[tuple[int, GroupKey, int]]:
+    """(step written, group, bytes) of the host storages observed D2H copies wrote that are
+    still alive now (after a collection, so a reference cycle that would be freed anyway does
+    not count); dead entries are dropped."""
+    gc.collect()
+    alive = []
+    for address, written in list(state.written.items()):
+        storage = written.ref()
+        if storage is None or storage.nbytes() == 0:
+            del state.written[address]
+        else:
+            alive.append((written.step, written.group, storage.nbytes()))
+    return alive

@@ -386,6 +386,7 @@ def case_record(res: Any) -> dict[str, Any]:
             d: {"copies": c.copies, "bytes": c.bytes}
             for d, c in res.warmup_transfers.totals().items()
         },
+        "checksums": _checksum_fields(res),
         "seconds": round(res.seconds, 3),
         "run_seconds": dict(res.run_seconds),
         "rule": rule_record(res),
@@ -399,6 +400,14 @@ def rule_record(res: Any) -> dict[str, Any]:
     if res.rule is not None:
         return res.rule.record()
     return {"source": "declared", "line": f"declared rule: {res.semantics.label}"}
+
+
+def _checksum_fields(res: Any) -> dict[str, int]:
+    """Checksum coverage of the offload run: reloads compared, saved tensors packed in the
+    harness's windows, offload copies made (``harness.checks.checksum_coverage``)."""
+    from harness.checks import checksum_coverage  # checks imports this module's neighbours
+
+    return checksum_coverage(res)
 
 
 def _transfer_fields(res: Any) -> dict[str, Any]:

@@ -537,7 +537,7 @@ def test_mutation_score_jobs_on_cuda(
     seen: list[tuple[Any, ...]] = []
     monkeypatch.setattr(mutation_score, "repeat_correct", lambda *args: seen.append(args) or 0)
     assert mutation_score.main([*argv, "--repeat-correct", "20"]) == 0
-    assert seen == [(20, device, "small" if device.type == "cuda" else "tiny", jobs)]
+    assert seen == [(20, device, "small" if device.type == "cuda" else "tiny", jobs, False)]
 
 
 @pytest.mark.parametrize(
@@ -598,7 +598,7 @@ def test_mutation_score_repeat_correct_prints_times(
     monkeypatch.setattr(
         mutation_score,
         "run_correct_case",
-        lambda case, device, size, threads: ["boom"] if case.name == alarm else [],
+        lambda case, device, size, threads, undeclared: ["boom"] if case.name == alarm else [],
     )
     pools: list[int] = []
 

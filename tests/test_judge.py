@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
+from xml.etree import ElementTree
 
 import pytest
 import warm
@@ -44,6 +46,35 @@ def test_outcomes_and_verdict() -> None:
     record = bad.record()
     assert record["problems"] == ["golden: drifted"] and record["seconds"] == 1.0
     assert record["checks"]["memory"] == {"status": "n-a", "reason": "needs CUDA"}
+
+
+def test_update_golden_is_updated_not_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--update-golden`` writes the trace it would compare with: the check says ``updated``
+    (no comparison made), the table shows it, JUnit counts the case neither failed nor
+    skipped; the next comparison with that trace passes."""
+    import torch
+
+    from harness import golden
+    from harness.execute import Environment
+    from harness.judge import CaseRuns, check
+    from harness.report import verdict_table, write_junit
+
+    case = find_case(CASE)
+    monkeypatch.setenv(golden.ROOT_VARIABLE, str(tmp_path))
+    made = SimpleNamespace(plain=SimpleNamespace(losses=torch.ones(case.steps, case.microbatches)))
+    env = Environment(device=torch.device("cpu"))
+    writing = CaseRuns(case, env, update_golden=True)
+    monkeypatch.setattr(writing, "case_run", lambda: made)
+    updated = check("golden", writing)
+    assert updated.status == "updated" and updated.reason.startswith("wrote "), updated
+    judgement = Judgement(case=case, outcomes=(updated,))
+    assert judgement.verdict == "pass" and judgement.first_failure() is None
+    assert "updated" in verdict_table({"cases": [judgement.record()]}).splitlines()[1].split()
+    suite = ElementTree.parse(write_junit(tmp_path, {"cases": [judgement.record()]})).getroot()[0]
+    assert (suite.get("failures"), suite.get("skipped")) == ("0", "0")
+    reading = CaseRuns(case, env)
+    monkeypatch.setattr(reading, "case_run", lambda: made)
+    assert check("golden", reading).status == "pass"
 
 
 def _summary_checks(folder: Path) -> dict[str, str]:

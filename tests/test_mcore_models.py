@@ -383,11 +383,17 @@ def _refusing_megatron(monkeypatch: pytest.MonkeyPatch, refuse: str) -> list[tup
     the field ``refuse``."""
     built = _fake_megatron(monkeypatch)
     configs = sys.modules["megatron.core.transformer.transformer_config"]
-
-    def init(self: object, **kw: object) -> None:
-        built.append((type(self).__name__, kw))
-        if refuse in kw:
-            raise ValueError(f"{refuse} cannot be used with fine-grained activation offloading.")
+    # compiled as megatron-core's module, as its __post_init__ raises from its own code
+    scope = {"__name__": configs.__name__, "built": built, "refuse": refuse}
+    exec(
+        "def init(self, **kw):\n"
+        "    built.append((type(self).__name__, kw))\n"
+        "    if refuse in kw:\n"
+        "        raise ValueError(f'{refuse} cannot be used with fine-grained activation "
+        "offloading.')\n",
+        scope,
+    )
+    init = scope["init"]
 
     for name in ("TransformerConfig", "MLATransformerConfig"):
         setattr(configs, name, type(name, (), {"__init__": init}))
@@ -405,6 +411,36 @@ def test_a_knob_megatron_refuses_is_a_refusal_with_its_message(
         )
     # first without the knobs (accepted), then with them
     assert [("recompute_granularity" in fields) for _, fields in built] == [False, True]
+
+
+def test_an_error_of_ours_with_a_knob_is_no_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A knob field megatron-core does not take (a field we renamed: a TypeError) and an error
+    raised outside megatron-core's code are errors of the case, never a refusal (a skip)."""
+    built = _fake_megatron(monkeypatch)
+    configs = sys.modules["megatron.core.transformer.transformer_config"]
+
+    def strict(self: object, **kw: object) -> None:
+        built.append((type(self).__name__, kw))
+        if "recompute_granularity" in kw:
+            raise TypeError("__init__() got an unexpected keyword 'recompute_granularity'")
+
+    for name in ("TransformerConfig", "MLATransformerConfig"):
+        monkeypatch.setattr(configs, name, type(name, (), {"__init__": strict}))
+    spec = ModelSpec(pattern="+-+-+-", impl="mcore", recompute="full")
+    offload = OffloadConfig(offload_modules=("core_attn",))
+    with pytest.raises(TypeError, match="unexpected keyword") as raised:
+        transformer_config(spec, SEED_CASE.run_spec(), offload)
+    assert not isinstance(raised.value, Refused)
+
+    def ours(self: object, **kw: object) -> None:
+        if "recompute_granularity" in kw:
+            raise ValueError("a value our bridge computed wrongly")
+
+    for name in ("TransformerConfig", "MLATransformerConfig"):
+        monkeypatch.setattr(configs, name, type(name, (), {"__init__": ours}))
+    with pytest.raises(ValueError, match="computed wrongly") as raised_here:
+        transformer_config(spec, SEED_CASE.run_spec(), offload)
+    assert not isinstance(raised_here.value, Refused)
 
 
 def test_te_graph_rows_need_torchs_stale_capture_override(
@@ -507,7 +543,7 @@ def test_a_refused_configuration_is_a_skipped_case_everywhere(tmp_path: Path) ->
     refused = "megatron-core 0.19.2 refuses recompute moe with this case: AssertionError: no"
     outcomes = (
         judge.CheckOutcome(name="equivalence", status="skip", reason=refused),
-        judge.CheckOutcome(name="sync", status="n-a", reason="not guarded"),
+        judge.CheckOutcome(name="sync", status="skip", reason="not guarded"),
     )
     skipped = judge.Judgement(case=MCORE_KNOB_ROWS[0], outcomes=outcomes)
     assert skipped.verdict == "skip"

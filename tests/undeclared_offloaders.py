@@ -38,7 +38,7 @@ class _Group:
     def __exit__(self, *exc: object) -> None:
         self.hooks.__exit__(*exc)
 
-    def commit(self, output, release=()):  # noqa: ANN001, ANN201 - the protocol's shape
+    def commit(self, output, release=()):
         return output
 
 
@@ -47,7 +47,7 @@ class _Base:
 
     name = "undeclared"
 
-    def __init__(self, config, device) -> None:  # noqa: ANN001
+    def __init__(self, config, device) -> None:
         self.selected = set(config.offload_modules)
         self.min_size = config.min_offloaded_tensor_size
         self.device = torch.device(device)
@@ -65,14 +65,14 @@ class _Base:
         ptrs = {getattr(m, "_local_tensor", m).untyped_storage().data_ptr() for m in self.marked}
         return local.untyped_storage().data_ptr() in ptrs
 
-    def pack(self, t: torch.Tensor):  # noqa: ANN201
+    def pack(self, t: torch.Tensor):
         if self.stays(t):
             return t
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
         host.copy_(t, non_blocking=t.is_cuda)
         return (t.device, t.stride(), host)
 
-    def unpack(self, packed):  # noqa: ANN001, ANN201
+    def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
         device, stride, host = packed
@@ -127,7 +127,7 @@ class ObjectSkip(_Base):
             t is m or local is getattr(m, "_local_tensor", m) for m in self.marked
         )
 
-    def unpack(self, packed):  # noqa: ANN001, ANN201
+    def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
         device, _, host = packed
@@ -146,13 +146,13 @@ class SizeThreshold(_Base):
             or t.numel() < max(self.min_size, 1)
         )
 
-    def pack(self, t: torch.Tensor):  # noqa: ANN201
+    def pack(self, t: torch.Tensor):
         if self.stays(t):
             return t
         host = torch.empty_like(t, pin_memory=t.is_cuda)  # the saved strides where dense
         return (t.device, t.stride(), host.copy_(t, non_blocking=t.is_cuda))
 
-    def unpack(self, packed):  # noqa: ANN001, ANN201
+    def unpack(self, packed):
         if not isinstance(packed, torch.Tensor) and packed[0].type == "cpu":
             return packed[2]  # already where backward wants it
         return super().unpack(packed)
@@ -163,7 +163,7 @@ class WholeStorage(_Base):
 
     name = "whole-storage"
 
-    def pack(self, t: torch.Tensor):  # noqa: ANN201
+    def pack(self, t: torch.Tensor):
         if self.stays(t) or t.is_contiguous():
             return super().pack(t)
         storage = t.untyped_storage()
@@ -172,7 +172,7 @@ class WholeStorage(_Base):
         host.copy_(base, non_blocking=t.is_cuda)
         return ("view", t.device, t.shape, t.stride(), t.storage_offset(), host)
 
-    def unpack(self, packed):  # noqa: ANN001, ANN201
+    def unpack(self, packed):
         if isinstance(packed, tuple) and packed[0] == "view":
             _, device, shape, stride, offset, host = packed
             base = torch.empty(host.shape, dtype=host.dtype, device=device)
@@ -186,13 +186,13 @@ class HandBack(_Base):
 
     name = "hand-back"
 
-    def pack(self, t: torch.Tensor):  # noqa: ANN201
+    def pack(self, t: torch.Tensor):
         if self.stays(t):
             return t
         host = torch.empty_like(t, pin_memory=t.is_cuda).copy_(t, non_blocking=t.is_cuda)
         return (t.device, host)
 
-    def unpack(self, packed):  # noqa: ANN001, ANN201
+    def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
         device, host = packed
@@ -206,13 +206,13 @@ class PinnedStreams(_Base):
 
     name = "pinned-streams"
 
-    def __init__(self, config, device) -> None:  # noqa: ANN001
+    def __init__(self, config, device) -> None:
         super().__init__(config, device)
         cuda = self.device.type == "cuda"
         self.d2h = torch.cuda.Stream(self.device) if cuda else None
         self.h2d = torch.cuda.Stream(self.device) if cuda else None
 
-    def pack(self, t: torch.Tensor):  # noqa: ANN201
+    def pack(self, t: torch.Tensor):
         if self.d2h is None or self.stays(t):
             return super().pack(t)
         ready = torch.cuda.Event()
@@ -226,7 +226,7 @@ class PinnedStreams(_Base):
             done.record()
         return (t.device, t.stride(), host, done)
 
-    def unpack(self, packed):  # noqa: ANN001, ANN201
+    def unpack(self, packed):
         if self.h2d is None or isinstance(packed, torch.Tensor) or len(packed) != 4:
             return super().unpack(packed)
         device, stride, host, done = packed
@@ -259,7 +259,7 @@ class DropsOneReload(StorageSkip):
             return group
         count = itertools.count()
 
-        def unpack(packed):  # noqa: ANN001, ANN202
+        def unpack(packed):
             if not isinstance(packed, torch.Tensor) and next(count) == 1:
                 device, stride, host = packed
                 return torch.as_strided(host, host.shape, stride).to(device)
@@ -297,8 +297,10 @@ class ThresholdDrifts(SizeThreshold):
     def stays(self, t: torch.Tensor) -> bool:
         if self.step == 0:
             return super().stays(t)
-        return _Base.stays(self, t) or isinstance(t, torch.nn.Parameter) or t.numel() < 64 * max(
-            self.min_size, 1
+        return (
+            _Base.stays(self, t)
+            or isinstance(t, torch.nn.Parameter)
+            or t.numel() < 64 * max(self.min_size, 1)
         )
 
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -668,6 +670,10 @@ class BrokenBackend:
     """Whether the class can show on CPU at all (False: CUDA only)."""
     catchers: tuple[tuple[str, Case], ...] = ()
     """(check, default-matrix row) pairs that catch it, in the order to try them."""
+    reasons: tuple[tuple[str, str], ...] = ()
+    """(check, regular expression) per catching check: a failure of that check is a catch only
+    when one of its problem lines matches, so a check failing for another reason (a drifted
+    baseline, a crash) is never counted as catching this bug class."""
     needs: str = ""
     """When the default matrix cannot show it: the row or run feature it needs."""
     cuda_delays: RaceDelays = NO_DELAYS
@@ -680,6 +686,26 @@ class BrokenBackend:
     @property
     def description(self) -> str:
         return f"{self.bug_class} - {self.reference}"
+
+    def reason(self, check: str) -> re.Pattern[str]:
+        """The problem pattern a failure of ``check`` must match to count as this entry's catch
+        (``reasons``); an entry naming a catcher without a reason is a catalogue error."""
+        for name, pattern in self.reasons:
+            if name == check:
+                return re.compile(pattern)
+        raise KeyError(f"{self.name}: catcher {check!r} names no expected problem pattern")
+
+    def matching(self, check: str, problems: Iterable[str]) -> str | None:
+        """The first problem line of ``check``'s failure that shows this entry's bug class, with
+        the line it heads where it is a header (None: it failed for another reason)."""
+        pattern = self.reason(check)
+        lines = [line.strip() for p in problems for line in p.splitlines() if line.strip()]
+        for index, line in enumerate(lines):
+            if pattern.search(line):
+                # a header line ("...:") with the first line it heads, which names the group
+                follows = line.endswith(":") and index + 1 < len(lines)
+                return f"{line} {lines[index + 1]}" if follows else line
+        return None
 
 
 # The default-matrix rows the catalogue names, by their fields (a row's id is derived from them;
@@ -717,6 +743,21 @@ INTERLEAVED = Case(
     precision="bf16",
 )
 
+# What each bug class's catch reads like (``BrokenBackend.reasons``): the problem lines of
+# ``harness.checks`` that name that very fault, not any failure of the check.
+RELOADS = r"reloads differ from what was saved \(checksums at pack and unpack"
+NOT_OFFLOADED = r"the offload did not happen in step 0"
+PREDICTED = r"^counted \([a-z' ]+\) vs prediction in step \d+ \(the final step\):"
+EVERY_STEP = r"^counted \(harness windows\) vs prediction in the steps before the final one:"
+LOG_VS_COUNTED = r"^offloader log vs counted \(harness windows\) in the steps before the final"
+UNSELECTED = r"unselected groups moved: \['expert_fc1'\]"
+WEIGHT_D2H = r"D2H copies of weights \(\d+ B\) in steps"
+PAGEABLE = r"offload copies used pageable host memory"
+STRAY = r"DtoH/HtoD memcpys outside any offload group"
+HOST_SYNC = r"the offloader synchronised the host with the device"
+LEFT = r"saved tensors never unpacked|pool buffers not returned"
+WARMUP_FLAGS = r"^warmup flags per iteration \[True, False"
+
 CATALOGUE: tuple[BrokenBackend, ...] = (
     BrokenBackend(
         factory=ReloadBeforeD2H,
@@ -724,6 +765,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="Megatron-LM #7398",
         cpu=True,
         catchers=(("equivalence", SEED), ("equivalence", ATTENTION_1F1B)),
+        reasons=(("equivalence", RELOADS),),
         cuda_delays=RaceDelays(d2h=LONG_DELAY),
     ),
     BrokenBackend(
@@ -732,6 +774,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="torchtune #1867",
         cpu=True,
         catchers=(("equivalence", SEED), ("equivalence", ATTENTION_1F1B)),
+        reasons=(("equivalence", RELOADS),),
         cuda_delays=RaceDelays(d2h=LONG_DELAY),
     ),
     BrokenBackend(
@@ -740,6 +783,10 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="Megatron-LM tensor_pop, bugs list #22, PR #6783",
         cpu=True,
         catchers=(("equivalence", ATTENTION_1F1B), ("leaks", ATTENTION_1F1B)),
+        reasons=(
+            ("equivalence", RELOADS),
+            ("leaks", LEFT),
+        ),
     ),
     BrokenBackend(
         factory=ChunkOrder,
@@ -748,6 +795,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="Megatron-Core chunk handlers with virtual pipeline stages (issue 25)",
         cpu=True,
         catchers=(("equivalence", INTERLEAVED),),
+        reasons=(("equivalence", RELOADS),),
     ),
     BrokenBackend(
         factory=UnselectedGroups,
@@ -755,6 +803,10 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="TE fused grouped MLP #3047/#3108, Megatron-LM #5082",
         cpu=True,
         catchers=(("fidelity", MOE_ACT_1F1B), ("transfers", MOE_ACT_1F1B)),
+        reasons=(
+            ("fidelity", UNSELECTED),
+            ("transfers", PREDICTED),
+        ),
     ),
     BrokenBackend(
         factory=NoOp,
@@ -762,6 +814,10 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="Megatron-LM 92d5c1f4d1 (#4173), DeepSpeed #522",
         cpu=True,
         catchers=(("equivalence", SEED), ("transfers", SEED)),
+        reasons=(
+            ("equivalence", NOT_OFFLOADED),
+            ("transfers", PREDICTED),
+        ),
     ),
     BrokenBackend(
         factory=ViewDedup,
@@ -769,6 +825,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="ms-swift PR #10157",
         cpu=True,
         catchers=(("equivalence", MOE_ACT_1F1B), ("equivalence", EXPERTS_SEQ)),
+        reasons=(("equivalence", RELOADS),),
     ),
     BrokenBackend(
         factory=PoolEarlyReuse,
@@ -776,6 +833,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="Megatron pinned-pool hazard (bugs list #19), TE #2341",
         cpu=True,
         catchers=(("equivalence", ATTENTION_1F1B_3MB),),
+        reasons=(("equivalence", RELOADS),),
         cuda_delays=RaceDelays(h2d=LONG_DELAY),
     ),
     BrokenBackend(
@@ -784,6 +842,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="bugs list #20 (float floor), Megatron-LM PR #7575",
         cpu=True,
         catchers=(("transfers", SEED),),
+        reasons=(("transfers", PREDICTED),),
     ),
     BrokenBackend(
         factory=ExtraRoundTrip,
@@ -791,6 +850,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="STYLE rule 14; save_on_cpu double copies",
         cpu=True,
         catchers=(("transfers", SEED),),
+        reasons=(("transfers", PREDICTED),),
     ),
     BrokenBackend(
         factory=OffloadsWeights,
@@ -798,6 +858,10 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="TE CPU offload before do-not-offload weight tags; megatron-core 0.19",
         cpu=True,
         catchers=(("weights", SEED), ("transfers", SEED)),
+        reasons=(
+            ("weights", WEIGHT_D2H),
+            ("transfers", PREDICTED),
+        ),
     ),
     BrokenBackend(
         factory=Pageable,
@@ -805,6 +869,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="Megatron/TE pin every host buffer",
         cpu=False,
         catchers=(("transfers", SEED),),
+        reasons=(("transfers", PAGEABLE),),
     ),
     BrokenBackend(
         factory=NoGradWarmup,
@@ -812,6 +877,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="NeMo-RL PR #2279 review",
         cpu=True,
         catchers=(("leaks", EVAL_FIRST),),
+        reasons=(("leaks", WARMUP_FLAGS),),
     ),
     BrokenBackend(
         factory=StructureRemap,
@@ -819,6 +885,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="Megatron-LM a976754b40 (#3043), PR #6783",
         cpu=True,
         catchers=(("transfers", ATTENTION_1F1B), ("transfers", MOE_EVERYTHING)),
+        reasons=(("transfers", PREDICTED),),
     ),
     BrokenBackend(
         factory=HostSync,
@@ -826,6 +893,10 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="PyTorch CudaSyncGuard test; issue 9 sync guard",
         cpu=False,
         catchers=(("sync", SEED), ("transfers", SEED)),
+        reasons=(
+            ("sync", HOST_SYNC),
+            ("transfers", STRAY),
+        ),
     ),
     BrokenBackend(
         factory=MiddleStepSkip,
@@ -833,6 +904,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="issue 23: bugs confined to the steps between the warmup and the final one",
         cpu=True,
         catchers=(("transfers", SEED),),
+        reasons=(("transfers", EVERY_STEP),),
     ),
     BrokenBackend(
         factory=LyingLog,
@@ -840,6 +912,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="issue 23: a log checked only in the final step",
         cpu=True,
         catchers=(("transfers", SEED),),
+        reasons=(("transfers", LOG_VS_COUNTED),),
     ),
     BrokenBackend(
         factory=CorruptReload,
@@ -847,6 +920,7 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         reference="STYLE rule 14",
         cpu=True,
         catchers=(("equivalence", SEED),),
+        reasons=(("equivalence", RELOADS),),
     ),
 )
 

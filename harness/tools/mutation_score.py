@@ -9,10 +9,14 @@ count false alarms.
     scripts/mutation_score --device cuda --jobs 8 --repeat-correct 20   # 8 workers share a GPU
 
 A broken offloader runs its catalogue catchers' cases first, then the rest of the matrix, and
-stops at the first case with a problem (any check of the judge, ``harness.judge``, the one
-pytest's case files and ``offload-harness run`` use; a run that raises counts as caught, as a
-failing pytest case). One line per broken offloader - name, caught or missed, the case and
-check that caught it, the first line of the problem - and a last line ``caught N/M``. On CUDA
+stops at the first case that catches it. Only the checks its catalogue entry names are judged
+(``harness.judge``, the one judge pytest's case files and ``offload-harness run`` use; never
+``golden``, which reads the plain baseline alone), and a check's failure is a catch only when
+one of its problem lines matches the entry's expected pattern for that check
+(``BrokenBackend.reasons``): a failure for another reason is no catch, and a case whose runs
+raised is reported apart (``raised``), never as a catch. One line per broken offloader - name,
+caught or missed, the case and check that caught it, the problem line that matched - and a last
+line ``caught N/M``. ``--undeclared`` judges every backend as if it declared no semantics. On CUDA
 each broken offloader runs with the race delays its catalogue entry names (``--race-delays
 none`` turns them off; ``d2h=N,h2d=N,compute=N`` sets them for all). Exit code 0 when every
 broken offloader was caught (or, with ``--repeat-correct``, when no pass raised an alarm).
@@ -41,7 +45,7 @@ import torch
 from harness import settings
 from harness.cases import Case, default_matrix
 from harness.execute import Environment
-from harness.judge import judge
+from harness.judge import CHECKS, judge
 from harness.offload.backends import parse_race_delays, resolve_backend, with_delays
 from harness.offload.broken import CATALOGUE, NO_DELAYS, BrokenBackend, entry
 from harness.parallel import run_ordered, threads_per_worker, worker_pool
@@ -56,9 +60,13 @@ class Outcome:
     case: str = ""
     check: str = ""
     problem: str = ""
+    """The problem line that matched the entry's expected pattern (caught), or what failed
+    instead (missed)."""
     cases_run: int = 0
     seconds: float = 0.0
     note: str = ""
+    raised: str = ""
+    """A case whose runs raised: the exception (reported apart; never a catch)."""
 
 
 def _use(device: torch.device, threads: int) -> None:
@@ -78,10 +86,45 @@ def _cases_for(broken: BrokenBackend) -> list[Case]:
     return ordered
 
 
-def _first_problem(case: Case, env: Environment) -> tuple[str, str] | None:
-    """(check, first problem line) of the first check that fails, or None."""
-    failed = judge(case, env, stop_at_first_failure=True).first_failure()
-    return None if failed is None else (failed.name, _summary(list(failed.problems)))
+def named_checks(broken: BrokenBackend) -> tuple[str, ...]:
+    """The checks ``broken``'s catalogue entry names, in the judge's order. Only these are
+    judged: ``golden`` reads the plain baseline alone, so it can never show an offloader's
+    bug, and any other check's failure would be a catch for a reason nobody stated."""
+    named = {check for check, _ in broken.catchers}
+    return tuple(check for check in CHECKS if check in named)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One case's verdict on a broken offloader: the matching problem line of the check that
+    caught it, else the exception its runs raised, else the first failure for another reason."""
+
+    check: str = ""
+    matched: str = ""
+    raised: str = ""
+    other: str = ""
+
+
+def find(case: Case, env: Environment, broken: BrokenBackend) -> Finding:
+    """Judge ``case`` on ``broken``'s named checks; a catch is a named check failing with the
+    entry's pattern for it (``BrokenBackend.matching``)."""
+    judgement = judge(case, env, checks=named_checks(broken))
+    other = ""
+    for outcome in judgement.outcomes:
+        if outcome.status != "fail":
+            continue
+        line = broken.matching(outcome.name, outcome.problems)
+        if line is not None:
+            return Finding(check=outcome.name, matched=_short(line))
+        first = _summary(list(outcome.problems))
+        if first.startswith(RAISED):
+            return Finding(check=outcome.name, raised=first)
+        other = other or f"[{outcome.name}] {first}"
+    return Finding(other=other)
+
+
+RAISED = "the case's runs raised"
+"""How ``harness.judge.raised`` starts a problem."""
 
 
 def _summary(problems: list[str]) -> str:
@@ -90,7 +133,11 @@ def _summary(problems: list[str]) -> str:
     head = lines[0]
     if head.endswith(":") and len(lines) > 1:
         head = f"{head} {lines[1].strip()}"
-    return head if len(head) <= 240 else head[:237] + "..."
+    return _short(head)
+
+
+def _short(line: str) -> str:
+    return line if len(line) <= 240 else line[:237] + "..."
 
 
 def _backend(broken: BrokenBackend, device: torch.device, delays: str) -> str:
@@ -100,31 +147,40 @@ def _backend(broken: BrokenBackend, device: torch.device, delays: str) -> str:
     return broken.name if chosen == NO_DELAYS else with_delays(broken.name, chosen)
 
 
-def score_one(name: str, device: str, model_size: str, delays: str, threads: int) -> Outcome:
-    """Run one broken offloader until a case catches it."""
+def environment(backend: str, device: str, model_size: str, undeclared: bool) -> Environment:
+    """The scoring environment; ``undeclared`` (``--undeclared``) judges the backend as if it
+    declared no semantics. The keyword is passed only when on, so this works with an
+    ``Environment`` that has no such field yet."""
+    extra = {"undeclared": True} if undeclared else {}
+    return Environment(device=torch.device(device), backend=backend, model_size=model_size, **extra)
+
+
+def score_one(
+    name: str, device: str, model_size: str, delays: str, threads: int, undeclared: bool = False
+) -> Outcome:
+    """Run one broken offloader until a case catches it for its named reason."""
     _use(torch.device(device), threads)
     broken = entry(name)
-    env = Environment(
-        device=torch.device(device),
-        backend=_backend(broken, torch.device(device), delays),
-        model_size=model_size,
-    )
+    backend = _backend(broken, torch.device(device), delays)
+    env = environment(backend, device, model_size, undeclared)
     began = time.perf_counter()
     if torch.device(device).type != "cuda" and not broken.cpu:
         return Outcome(name, False, note="CUDA only: CPU cannot show this class; not run")
     cases = _cases_for(broken)
+    raised = other = ""
     for index, case in enumerate(cases, start=1):
-        found = _first_problem(case, env)
-        if found is not None:
-            return Outcome(
-                name, True, case.name, found[0], found[1], index, time.perf_counter() - began
-            )
-    if broken.needs:
-        note = f"needs {broken.needs}"
-    else:
-        note = "no default case caught it"
+        found = find(case, env, broken)
+        if found.matched:
+            seconds = time.perf_counter() - began
+            return Outcome(name, True, case.name, found.check, found.matched, index, seconds)
+        raised = raised or (f"{case.name} [{found.check}]: {found.raised}" if found.raised else "")
+        other = other or (f"{case.name} {found.other}" if found.other else "")
+    note = f"needs {broken.needs}" if broken.needs else "no default case caught it"
+    if other:
+        note += f"; failed for another reason: {other}"
+    seconds = time.perf_counter() - began
     return Outcome(
-        name, False, cases_run=len(cases), seconds=time.perf_counter() - began, note=note
+        name, False, problem=other, cases_run=len(cases), seconds=seconds, note=note, raised=raised
     )
 
 
@@ -132,7 +188,10 @@ def _line(outcome: Outcome, width: int) -> str:
     if outcome.caught:
         where = f"by {outcome.case} [{outcome.check}]"
         return f"{outcome.name:<{width}}  caught  {where}: {outcome.problem}"
-    return f"{outcome.name:<{width}}  missed  ({outcome.note}; {outcome.cases_run} cases run)"
+    line = f"{outcome.name:<{width}}  missed  ({outcome.note}; {outcome.cases_run} cases run)"
+    if outcome.raised:
+        line += f"\n{'':<{width}}  raised  {outcome.raised}"
+    return line
 
 
 def _batches(
@@ -154,17 +213,22 @@ def _batches(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def run_correct_case(case: Case, device: str, model_size: str, threads: int) -> list[str]:
+def run_correct_case(
+    case: Case, device: str, model_size: str, threads: int, undeclared: bool = False
+) -> list[str]:
     """The reference offloader on one case: every problem of every check (empty: clean)."""
     _use(torch.device(device), threads)
-    env = Environment(device=torch.device(device), backend="reference", model_size=model_size)
-    return judge(case, env).problems
+    return judge(case, environment("reference", device, model_size, undeclared)).problems
 
 
-def repeat_correct(passes: int, device: torch.device, model_size: str, jobs: int) -> int:
+def repeat_correct(
+    passes: int, device: torch.device, model_size: str, jobs: int, undeclared: bool = False
+) -> int:
     rows = default_matrix()
     threads = threads_per_worker(jobs)
-    calls: list[tuple[object, ...]] = [(row, str(device), model_size, threads) for row in rows]
+    calls: list[tuple[object, ...]] = [
+        (row, str(device), model_size, threads, undeclared) for row in rows
+    ]
     print(
         f"{passes} passes x {len(rows)} cases on {device}, {jobs} job(s) x {threads} thread(s)",
         flush=True,
@@ -194,7 +258,8 @@ def repeat_correct(passes: int, device: torch.device, model_size: str, jobs: int
     return 1 if alarms else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``offload-harness mutation-score``."""
     parser = argparse.ArgumentParser(
         prog="offload-harness mutation-score", description=__doc__.split("\n\n")[0]
     )
@@ -211,6 +276,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="instead: the reference offloader over the default matrix N times (false alarms)",
     )
+    parser.add_argument(
+        "--undeclared",
+        action="store_true",
+        help="judge every backend as if it declared no semantics (the learned-semantics path)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         device = settings.resolve_device(args.device)
@@ -226,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat_correct is not None:
         if args.repeat_correct < 1:
             parser.error("--repeat-correct must be >= 1")
-        return repeat_correct(args.repeat_correct, device, size, min(jobs, len(default_matrix())))
+        jobs = min(jobs, len(default_matrix()))
+        return repeat_correct(args.repeat_correct, device, size, jobs, args.undeclared)
     try:
         names = [entry(name).name for name in args.only] if args.only else None
     except ValueError as exc:
@@ -237,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     jobs = min(jobs, len(selected))
     threads = threads_per_worker(jobs)
     began = time.perf_counter()
-    calls = [(b.name, str(device), size, args.race_delays, threads) for b in selected]
+    calls = [
+        (b.name, str(device), size, args.race_delays, threads, args.undeclared) for b in selected
+    ]
     outcomes: list[Outcome] = run_ordered(score_one, calls, jobs=jobs)
     width = max(len(b.name) for b in selected)
     for outcome in outcomes:
