@@ -1,7 +1,7 @@
 """``offload-harness``: run the case matrix (or one case) and report; list cases and backends.
 
     offload-harness run                       # default matrix on the best device, report
-    offload-harness run --case ID             # one case of the table
+    offload-harness run --case ID [--case ID]  # cases of the table
     offload-harness run --pattern +E-- --offload core_attn,moe_act --schedule 1f1b
     offload-harness run --update-golden       # rewrite the golden baseline traces
     offload-harness repro --case ID [--bisect]   # reproduce one case, localise a divergence
@@ -63,7 +63,30 @@ class UsageError(Exception):
     """Bad command-line input (exit code 2)."""
 
 
+class _StoreOnce(argparse._StoreAction):
+    """Store an option's value, refusing a second one: a repeated flag is never dropped
+    silently (the repeatable ones, ``run --case``, append instead)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = namespace.__dict__.setdefault("_given", set())
+        if self.dest in given:
+            raise UsageError(f"{option_string} was given twice; it takes one value")
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
 
@@ -87,7 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     settings.add_arguments(
         run, (*RUN_SETTINGS, "matrix", "family", "jobs", "case_timeout", "update_golden")
     )
-    run.add_argument("--case", help="run only this case id (see `offload-harness cases`)")
+    run.add_argument(
+        "--case",
+        action="append",
+        help="run this case id (see `offload-harness cases`); repeat it to run several",
+    )
     _case_flags(run.add_argument_group("one custom case (instead of the matrix) or overrides"))
     repro = sub.add_parser("repro", help="reproduce one case: loss table, first divergence")
     settings.add_arguments(repro, (*RUN_SETTINGS, "family"))
@@ -136,9 +163,19 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _row_with_overrides(args: argparse.Namespace) -> Case:
-    """The ``--case`` row with the fields the flags set (``run`` and ``repro`` alike)."""
-    return find_case(args.case).replace(**_overrides(args))
+def _row_with_overrides(args: argparse.Namespace, name: str | None = None) -> Case:
+    """The ``--case`` row (``name``, one of several under ``run``) with the fields the flags
+    set (``run`` and ``repro`` alike)."""
+    return find_case(name or args.case).replace(**_overrides(args))
+
+
+def _case_ids(args: argparse.Namespace) -> list[str]:
+    """Every ``--case`` given (``run`` repeats it; ``repro`` takes one), each once."""
+    names = args.case if isinstance(args.case, list) else [args.case] if args.case else []
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UsageError(f"--case {twice[0]} was given twice")
+    return names
 
 
 def _family(pattern: str, names: tuple[str, ...]) -> str:
@@ -180,7 +217,7 @@ def _select(args: argparse.Namespace) -> list[Case]:
         return [_custom_case(args)]
     if args.case:
         try:
-            return [_row_with_overrides(args)]
+            return [_row_with_overrides(args, name) for name in _case_ids(args)]
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     if _overrides(args):
@@ -206,9 +243,10 @@ def _environment(args: argparse.Namespace) -> Environment:
         raise UsageError(f"--case and {flags} are exclusive")
     if getattr(args, "case", None):
         try:
-            impl = find_case(args.case).impl
+            impls = {find_case(name).impl for name in _case_ids(args)}
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        impl = impls.pop() if len(impls) == 1 else None
     values = {name: getattr(args, name) for name in settings.OPTIONS if hasattr(args, name)}
     resolved = settings.checked(lambda: settings.resolve(values, impl=impl), UsageError)
     settings.apply(resolved)

@@ -534,8 +534,15 @@ class CopyObserver(TorchDispatchMode):
         self.lock = threading.Lock()
 
     def _saved_group(self, tensor: torch.Tensor) -> GroupKey | None:
-        entry = self.saved.get(_storage(tensor))
-        return entry[0] if entry is not None and entry[1]() is not None else None
+        """The group that saved ``tensor``'s storage while the tensor it noted still owns that
+        memory: an offloader may keep the tensor object alive after a forced release freed its
+        storage, and FSDP2's later copies at the reused address are not the group's."""
+        address = _storage(tensor)
+        entry = self.saved.get(address)
+        if entry is None:
+            return None
+        noted = entry[1]()
+        return entry[0] if _owns(None if noted is None else local_tensor(noted), address) else None
 
     def mark(self, tensors: Sequence[torch.Tensor]) -> None:
         with self.lock:

@@ -1,0 +1,45 @@
+"""Offloaders that fail the way real ones do, as small test backends (``--backend
+offloaders:Name``): each provokes one row of ``tests/test_faults_run.py``'s fault table."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from harness.offload.reference import GroupState, HostCopy, OffloadContext
+
+
+class Keep(OffloadContext):
+    """A correct offloader that keeps Python references to every activation it offloaded (a
+    debugging list, say): on the ZeRO-3 rows a forced release frees their memory, and the
+    addresses are reused by FSDP2's own copies."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.kept: list[torch.Tensor] = []
+
+    def _copy_out(self, group: GroupState, tensor: torch.Tensor) -> HostCopy:
+        self.kept.append(tensor)
+        return super()._copy_out(group, tensor)
+
+    def end_iteration(self) -> None:
+        super().end_iteration()
+        del self.kept[:-64]  # bounded, and still holding the last steps' activations
+
+
+class Prefetch(OffloadContext):
+    """Starts a non-daemon prefetch thread that it never joins (nor stops)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._stop = threading.Event()
+        threading.Thread(target=self._stop.wait, name="prefetch", daemon=False).start()
+
+
+class Float64(OffloadContext):
+    """Changes torch's default dtype when built (process-global state that decides numerics)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        torch.set_default_dtype(torch.float64)
