@@ -17,11 +17,13 @@ under ``repro``) is exit code 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -61,6 +63,34 @@ from harness.tools import TOOLS
 
 class UsageError(Exception):
     """Bad command-line input (exit code 2)."""
+
+
+class Stopped(BaseException):
+    """A stop signal (SIGTERM, SIGHUP) arrived while cases ran: the run ends as Ctrl-C ends it,
+    with a report whose status is ``terminated`` and the exit code 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """While the cases run, SIGTERM and SIGHUP raise ``Stopped`` (SIGINT raises
+    ``KeyboardInterrupt``), so the workers are killed and the summary says how the run ended."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class _StoreOnce(argparse._StoreAction):
@@ -320,25 +350,29 @@ def command_run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    stopped = 0  # the exit code of a run a signal stopped
     try:
-        status = run_cases(
-            cases,
-            env,
-            jobs=jobs,
-            timeout=args.settings.case_timeout,
-            folder=folder,
-            on_record=on_record,
-            update_golden=args.update_golden,
-            on_start=on_start,
-        )
+        with _stopped_by_signals():
+            status = run_cases(
+                cases,
+                env,
+                jobs=jobs,
+                timeout=args.settings.case_timeout,
+                folder=folder,
+                on_record=on_record,
+                update_golden=args.update_golden,
+                on_start=on_start,
+            )
     except KeyboardInterrupt:
-        status = "interrupted"
+        status, stopped = "interrupted", 128 + signal.SIGINT
+    except Stopped as stop:
+        status, stopped = "terminated", 128 + stop.signum
     fields.update(status=status, seconds=round(time.perf_counter() - start, 2))
     if folder is not None:
         summary = json.loads(write_summary(folder, finished(), **fields).read_text())
         write_junit(folder, summary)
-        if status == "interrupted":  # leave at once: the summary is valid, plots can wait
-            where = f"report: {folder / 'summary.json'} (interrupted; no index.html)"
+        if stopped:  # leave at once: the summary is valid, plots can wait
+            where = f"report: {folder / 'summary.json'} ({status}; no index.html)"
         else:
             began = time.perf_counter()
             index = render_index(folder)
@@ -346,9 +380,9 @@ def command_run(args: argparse.Namespace) -> int:
     else:  # '' writes none, as in pytest
         summary = json.loads(summary_text(finished(), **fields))
         where = "no report (--report-dir '')"
-    if status == "interrupted":
-        print(f"\ninterrupted after {len(finished())} of {len(cases)} cases; {where}")
-        return 130
+    if stopped:
+        print(f"\n{status} after {len(finished())} of {len(cases)} cases; {where}")
+        return stopped
     print()
     print(verdict_table(summary))
     for case in summary["cases"]:
@@ -361,6 +395,9 @@ def command_run(args: argparse.Namespace) -> int:
             f"\ngolden: {len(missing)} of {len(cases)} cases not compared - "
             f"{missing[0]['golden']['message']}"
         )
+    for case in summary["cases"]:
+        for line in case.get("notes", ()):
+            print(f"\nNOTE {case['name']}: {line}")
     failed = sum(map(is_failure, summary["cases"]))
     skipped = [c for c in summary["cases"] if c["verdict"] == "skip"]
     for case in skipped:

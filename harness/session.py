@@ -35,6 +35,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
+from harness import leftovers
 from harness.cases import Case
 from harness.execute import Environment, sharing_groups
 from harness.judge import judge
@@ -68,6 +69,7 @@ def run_case(
         stream.write(f"{_HEADER} pid {os.getpid()}: case {case.name}, timeout {timeout:g} s\n")
         stream.flush()
         faulthandler.dump_traceback_later(timeout, exit=True, file=stream)
+    running = leftovers.Running.now()
     try:
         record = judge(case, env, update_golden=update_golden).record()
     except Exception as exc:
@@ -79,6 +81,9 @@ def run_case(
             faulthandler.cancel_dump_traceback_later()
             stream.close()
             Path(stream.name).unlink(missing_ok=True)
+    note = leftovers.left_running(running)
+    if note is not None:
+        record.setdefault("notes", []).append(note)
     return record, time.perf_counter() - began
 
 
@@ -177,7 +182,7 @@ def run_cases(
             kill_pool(pool)
             raise
         if not broken:
-            pool.shutdown(wait=True)
+            kill_pool(pool)  # every call reported; what a backend left running ends here
             continue
         kill_pool(pool)
         for index in list(pending):

@@ -4,10 +4,14 @@ provoke the rows are the small backends of ``tests/offloaders.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +25,14 @@ ZERO3 = (
     "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16_zero3",
     "hybrid-moe-+E+-+E_expert_fc1+moe_act_1f1b_bf16_inflight-none_zero3",
 )
+RUN = (sys.executable, "-m", "harness", "run", "--device", "cpu")
 SMALL = ["--pattern", "+-", "--offload", "core_attn", "--steps", "2", "--microbatches", "1"]
 
 
 @pytest.fixture
 def backends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A folder to run in, with ``tests/offloaders.py`` importable by the run."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), *sys.path]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE.parent), str(HERE), *sys.path]))
     return tmp_path
 
 
@@ -96,3 +101,154 @@ def test_several_cases_are_all_selected(monkeypatch: pytest.MonkeyPatch) -> None
     argv = ["run", "--device", "cpu", "--report-dir", "", "--case", ZERO3[1], "--case", ZERO3[0]]
     assert main(argv) == 130
     assert chosen == [[ZERO3[1], ZERO3[0]]]
+
+
+CASE = "hybrid-+-+-+-_core_attn+attn_proj_sequential_fp32"
+
+
+@pytest.mark.heavy
+def test_a_thread_the_backend_never_joins_does_not_keep_the_run_alive(backends: Path) -> None:
+    """A backend whose non-daemon prefetch thread never ends (in the workers, and in the run's
+    own process, where the backend's probe built it): the run ends, the summary is
+    ``complete`` and the case names the thread in one note."""
+    began = time.perf_counter()
+    done = _run(
+        backends,
+        "--case",
+        CASE,
+        "--backend",
+        "offloaders:Prefetch",
+        "--report-dir",
+        "r",
+        timeout=120,
+    )
+    seconds = time.perf_counter() - began
+    summary = _summary(backends / "r")
+    assert summary["status"] == "complete", done.stdout + done.stderr
+    (case,) = summary["cases"]
+    assert case["verdict"] == "pass", case["problems"]
+    assert case["notes"] == [
+        "left running after the case: thread 'prefetch' (non-daemon), "
+        "thread 'prefetch' (non-daemon) (ended with its worker)"
+    ]
+    assert f"NOTE {CASE}: left running after the case: thread 'prefetch'" in done.stdout
+    assert "not waiting for thread(s) 'prefetch'" in done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert seconds < 90, seconds
+
+
+def _descendants(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    children = [int(child) for child in found.split()]
+    return [d for child in children for d in (child, *_descendants(child))]
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.heavy
+def test_no_process_outlives_a_run_killed_with_sigkill(backends: Path) -> None:
+    """SIGKILL to ``offload-harness run`` once its workers run: its forkserver, its workers
+    (and multiprocessing's resource tracker) are gone within a few seconds."""
+    process = subprocess.Popen(
+        [*RUN, "--report-dir", "r"],
+        cwd=backends,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=warm.confine,
+    )
+    assert process.stdout is not None
+    watchdog = threading.Timer(120, process.kill)  # a run that never prints ends the reads
+    watchdog.start()
+    seen: list[str] = []
+    try:
+        while not (seen and seen[-1].startswith("running ")):
+            line = process.stdout.readline()
+            assert line, "the run ended before its cases started:\n" + "".join(seen)
+            seen.append(line)
+        deadline = time.monotonic() + 60
+        family: list[int] = []
+        while time.monotonic() < deadline:  # the forkserver and its two workers at least
+            family = _descendants(process.pid)
+            if len(family) >= 3:
+                break
+            time.sleep(0.05)
+    finally:
+        watchdog.cancel()
+    assert len(family) >= 3, f"no workers: {family}\n" + "".join(seen)
+    assert process.poll() is None, "the run ended before the signal:\n" + "".join(seen)
+    process.kill()
+    process.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(map(_running, family)):
+        time.sleep(0.1)
+    alive = [pid for pid in family if _running(pid)]
+    for pid in alive:  # never left behind by this test either
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not alive, f"outlived the killed run by 5 s: {alive}"
+
+
+def _start_full_matrix(folder: Path) -> tuple[subprocess.Popen[str], list[str], list[int]]:
+    """``offload-harness run --matrix full`` started as a terminal would, once its workers run
+    (cases still to come whenever a signal lands): the process, its output so far, the
+    forkserver and workers."""
+    process = subprocess.Popen(
+        [*RUN, "--matrix", "full", "--report-dir", "r"],
+        cwd=folder,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=warm.confine_interruptible,
+    )
+    assert process.stdout is not None
+    watchdog = threading.Timer(120, process.kill)  # a run that never prints ends the reads
+    watchdog.start()
+    seen: list[str] = []
+    family: list[int] = []
+    try:
+        while not (seen and seen[-1].startswith("running ")):
+            line = process.stdout.readline()
+            assert line, "the run ended before its cases started:\n" + "".join(seen)
+            seen.append(line)
+        deadline = time.monotonic() + 60
+        while len(family) < 3 and time.monotonic() < deadline:
+            family = _descendants(process.pid)
+            time.sleep(0.05)
+    finally:
+        watchdog.cancel()
+    assert len(family) >= 3, f"no workers: {family}\n" + "".join(seen)
+    assert process.poll() is None, "the run ended before the signal:\n" + "".join(seen)
+    return process, seen, family
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    ("signum", "code", "status"),
+    [(signal.SIGTERM, 143, "terminated"), (signal.SIGHUP, 129, "terminated")],
+    ids=["SIGTERM", "SIGHUP"],
+)
+def test_a_stop_signal_leaves_a_report_and_the_conventional_exit_code(
+    backends: Path, signum: int, code: int, status: str
+) -> None:
+    process, seen, family = _start_full_matrix(backends)
+    began = time.perf_counter()
+    process.send_signal(signum)
+    rest, _ = process.communicate(timeout=60)
+    seconds = time.perf_counter() - began
+    out = "".join(seen) + rest
+    assert process.returncode == code, out
+    assert seconds < 3, seconds
+    assert "Traceback" not in out
+    summary = _summary(backends / "r")
+    assert summary["status"] == status
+    assert f"{status} after " in out
+    time.sleep(0.5)
+    alive = [pid for pid in family if _running(pid)]
+    assert not alive, f"the forkserver or workers outlived the stopped run: {alive}"
