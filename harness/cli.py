@@ -23,7 +23,7 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -91,6 +91,38 @@ def _stopped_by_signals() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+REPORT_INCOMPLETE = 3
+"""The exit code of a run whose report folder could not be written completely (disk full,
+folder removed, permissions changed mid-run); its console output holds every verdict."""
+
+
+class _ReportWriter:
+    """Writes into the run's report folder; the first write that fails is one line on stderr,
+    no traceback, and no later write is tried: the run goes on, the console keeps every
+    verdict, and the exit code says the report is incomplete (``REPORT_INCOMPLETE``)."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+        self.failed = False
+
+    def write(self, what: str, write: Callable[[], Any]) -> Any:
+        """``write()``'s result, or None when there is no folder or a write failed."""
+        if self.folder is None or self.failed:
+            return None
+        try:
+            return write()
+        except OSError as exc:
+            self.failed = True
+            why = exc.strerror or str(exc)
+            print(
+                f"offload-harness: report incomplete: cannot write {what} in {self.folder}: "
+                f"{why}; the verdicts go on on the console only",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
 
 
 class _StoreOnce(argparse._StoreAction):
@@ -320,6 +352,7 @@ def command_run(args: argparse.Namespace) -> int:
         nvte_cpu_offload_v1=args.settings.nvte_cpu_offload_v1,
         cuda_sanitizer=args.settings.cuda_sanitizer,
     )
+    report = _ReportWriter(folder)
     records: list[dict[str, Any] | None] = [None] * len(cases)
     start = time.perf_counter()
 
@@ -334,7 +367,12 @@ def command_run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         if folder is not None:  # a valid summary.json after every case
             seconds_so_far = round(time.perf_counter() - start, 2)
-            write_summary(folder, finished(), status="running", seconds=seconds_so_far, **fields)
+            report.write(
+                "summary.json",
+                lambda: write_summary(
+                    folder, finished(), status="running", seconds=seconds_so_far, **fields
+                ),
+            )
 
     if folder is not None and plots:
         preload_plotting()
@@ -368,18 +406,8 @@ def command_run(args: argparse.Namespace) -> int:
     except Stopped as stop:
         status, stopped = "terminated", 128 + stop.signum
     fields.update(status=status, seconds=round(time.perf_counter() - start, 2))
-    if folder is not None:
-        summary = json.loads(write_summary(folder, finished(), **fields).read_text())
-        write_junit(folder, summary)
-        if stopped:  # leave at once: the summary is valid, plots can wait
-            where = f"report: {folder / 'summary.json'} ({status}; no index.html)"
-        else:
-            began = time.perf_counter()
-            index = render_index(folder)
-            where = f"report: {index} (rendered in {time.perf_counter() - began:.1f}s)"
-    else:  # '' writes none, as in pytest
-        summary = json.loads(summary_text(finished(), **fields))
-        where = "no report (--report-dir '')"
+    summary = json.loads(summary_text(finished(), **fields))
+    where = _write_report(report, summary, fields, finished(), stopped=bool(stopped))
     if stopped:
         print(f"\n{status} after {len(finished())} of {len(cases)} cases; {where}")
         return stopped
@@ -405,7 +433,35 @@ def command_run(args: argparse.Namespace) -> int:
     passed = len(cases) - failed - len(skipped)
     also = f", {len(skipped)} skipped" if skipped else ""
     print(f"\n{passed}/{len(cases)} cases passed{also} in {summary['seconds']:.1f}s; {where}")
+    if report.failed and not stopped:
+        return REPORT_INCOMPLETE
     return 1 if failed or status != "complete" else 0
+
+
+def _write_report(
+    report: _ReportWriter,
+    summary: dict[str, Any],
+    fields: dict[str, Any],
+    records: list[dict[str, Any]],
+    *,
+    stopped: bool,
+) -> str:
+    """Write the final summary.json, junit.xml and (unless a signal stopped the run, which
+    leaves at once) index.html; the console's line saying where the report is."""
+    folder = report.folder
+    if folder is None:  # '' writes none, as in pytest
+        return "no report (--report-dir '')"
+    report.write("summary.json", lambda: write_summary(folder, records, **fields))
+    report.write("junit.xml", lambda: write_junit(folder, summary))
+    if report.failed:
+        return f"report incomplete: {folder} (see the line above)"
+    if stopped:  # the summary is valid, plots can wait
+        return f"report: {folder / 'summary.json'} ({fields['status']}; no index.html)"
+    began = time.perf_counter()
+    index = report.write("index.html", lambda: render_index(folder))
+    if index is None:
+        return f"report incomplete: {folder} (see the line above)"
+    return f"report: {index} (rendered in {time.perf_counter() - began:.1f}s)"
 
 
 def _claim_folder(root: Path | None) -> Path | None:

@@ -7,12 +7,14 @@
 * An exception inside a case is that case's failed verdict (``error: Type: message``); the
   traceback goes to ``<report folder>/errors/<case>.txt``; the other cases still run.
 * ``--case-timeout`` (the setting pytest uses too) arms ``faulthandler`` in the worker: past it,
-  every thread's stack is written to ``<report folder>/stacks/<case>.txt`` (a temporary folder
-  without a report) and the worker exits; the case's verdict is ``timed out`` with that file,
-  and the cases the dead pool took with it run again in a new pool (once; a case whose worker
-  dies twice without a dump is an ``error: worker process died``).
-* Ctrl-C kills the workers at once (they ignore SIGINT; the parent stops them), cancels the
-  queued cases and leaves what finished.
+  every thread's stack is written to a scratch file and the worker exits; the file moves to
+  ``<report folder>/stacks/<case>.txt`` (stays in the temporary folder without a report); the
+  case's verdict is ``timed out`` with that file, and the cases the dead pool took with it run
+  again in a new pool (once; a case whose worker dies twice without a dump is an ``error:
+  worker process died``, with the worker's exit status or signal and the last position it
+  reported).
+* Ctrl-C, SIGTERM and SIGHUP kill the workers at once (they ignore all three; the parent stops
+  them), cancel the queued cases and leave what finished.
 
 The caller gets every record through ``on_record`` as it ends, so it can rewrite
 ``summary.json`` after each case; ``run_cases`` returns how the run ended: ``complete``,
@@ -25,6 +27,7 @@ import contextlib
 import faulthandler
 import os
 import re
+import shutil
 import tempfile
 import time
 import traceback
@@ -123,9 +126,11 @@ def run_cases(
     """Run every case (see the module docstring); ``on_start(workers)`` once the first pool's
     cases are queued, ``on_record(index, record, seconds)`` as each ends. Returns ``complete``
     or ``timed-out``; Ctrl-C propagates after the workers are gone."""
-    stacks = (folder / "stacks") if folder is not None else Path(tempfile.mkdtemp("-stacks"))
-    stacks.mkdir(parents=True, exist_ok=True)
-    dumps = {i: stacks / f"{slug(case.name)}.txt" for i, case in enumerate(cases)}
+    # The workers' dumps go to a scratch folder, never into the report folder: the run and its
+    # timeouts work on whatever happens to that folder (disk full, removed); a timed-out
+    # case's dump is copied into the report's stacks/ (``_keep_dump``).
+    scratch = Path(tempfile.mkdtemp("-stacks"))
+    dumps = {i: scratch / f"{slug(case.name)}.txt" for i, case in enumerate(cases)}
     pending = list(range(len(cases)))
     deaths: Counter[int] = Counter()
     status = "complete"
@@ -134,11 +139,14 @@ def run_cases(
     def finish(index: int, record: dict[str, Any], seconds: float) -> None:
         text = record.pop("traceback", None)
         if text and folder is not None:
-            errors = folder / "errors"
-            errors.mkdir(exist_ok=True)
-            path = errors / f"{slug(cases[index].name)}.txt"
-            path.write_text(text, encoding="utf-8")
-            record["problems"] = [f"{record['problems'][0]} (traceback: {path})"]
+            path = folder / "errors" / f"{slug(cases[index].name)}.txt"
+            try:  # the report folder may be gone or full: the verdict stands without it
+                path.parent.mkdir(exist_ok=True)
+                path.write_text(text, encoding="utf-8")
+            except OSError:
+                pass
+            else:
+                record["problems"] = [f"{record['problems'][0]} (traceback: {path})"]
         pending.remove(index)
         on_record(index, record, seconds)
 
@@ -191,6 +199,7 @@ def run_cases(
             seconds = time.perf_counter() - began[index]
             if _DUMP_MARK in text:
                 status = "timed-out"
+                path = _keep_dump(path, folder)
                 problem = (
                     f"timed out: the case ran past --case-timeout {timeout:g} s; every "
                     f"thread's stack: {path}"
@@ -203,5 +212,19 @@ def run_cases(
                     problem = "error: worker process died twice while running the case"
                     finish(index, error_record(cases[index], problem), seconds)
     with contextlib.suppress(OSError):
-        stacks.rmdir()  # only when no case left a dump
+        scratch.rmdir()  # only when no timed-out case's dump stayed there
     return status
+
+
+def _keep_dump(path: Path, folder: Path | None) -> Path:
+    """A timed-out case's dump, moved into the report's ``stacks/`` (where the report cannot
+    be written, or there is none, it stays in the scratch folder)."""
+    if folder is None:
+        return path
+    kept = folder / "stacks" / path.name
+    try:
+        kept.parent.mkdir(exist_ok=True)
+        shutil.move(path, kept)
+    except OSError:
+        return path
+    return kept

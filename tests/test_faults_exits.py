@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -252,3 +253,65 @@ def test_a_stop_signal_leaves_a_report_and_the_conventional_exit_code(
     time.sleep(0.5)
     alive = [pid for pid in family if _running(pid)]
     assert not alive, f"the forkserver or workers outlived the stopped run: {alive}"
+
+
+@pytest.mark.heavy
+def test_a_report_folder_removed_mid_run_is_one_line_and_exit_3(backends: Path) -> None:
+    """The report folder disappears while a case runs (a cleanup job, a full disk's remedy):
+    one line on stderr, no traceback, every verdict and the count still on the console, and
+    the exit code says the report is incomplete."""
+    process = subprocess.Popen(
+        [*RUN, "--jobs", "1", *SMALL, "--report-dir", "r"],
+        cwd=backends,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=warm.confine,
+    )
+    assert process.stdout is not None
+    watchdog = threading.Timer(120, process.kill)
+    watchdog.start()
+    seen: list[str] = []
+    try:
+        while not (seen and seen[-1].startswith("running ")):
+            line = process.stdout.readline()
+            assert line, "the run ended before its cases started:\n" + "".join(seen)
+            seen.append(line)
+        (folder,) = (backends / "r").iterdir()
+        shutil.rmtree(folder)
+        rest, err = process.communicate(timeout=120)
+    finally:
+        watchdog.cancel()
+    out = "".join(seen) + rest
+    assert process.returncode == 3, out + err
+    assert "Traceback" not in out + err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("offload-harness: report incomplete: cannot write summary.json in ")
+    assert folder.name in line
+    assert "No such file or directory" in line
+    assert "[1/1] hybrid-+-_core_attn_sequential_fp32_2x1 " in out
+    assert "0/1 cases passed" in out or "1/1 cases passed" in out
+
+
+def test_a_full_disk_is_one_line_and_the_rest_of_the_report_is_not_tried(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+
+    from harness.cli import _ReportWriter
+
+    report = _ReportWriter(tmp_path)
+    calls: list[str] = []
+
+    def full() -> None:
+        calls.append("summary")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    assert report.write("summary.json", full) is None
+    assert report.write("junit.xml", lambda: calls.append("junit")) is None
+    assert report.failed and calls == ["summary"]
+    line = _error_line(capsys)
+    assert line == (
+        f"offload-harness: report incomplete: cannot write summary.json in {tmp_path}: "
+        "No space left on device; the verdicts go on on the console only"
+    )
