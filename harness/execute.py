@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from harness import distributed
+from harness import distributed, globalstate
 from harness.cases import Case
 from harness.compare import (
     Verdict,
@@ -79,7 +79,10 @@ class Environment:
     """``tiny`` (CPU sized) or ``small`` (GPU sized) presets."""
 
     def offloader(self, config: OffloadConfig) -> Offloader:
-        return resolve_backend(self.backend)(config, self.device)
+        """The backend, built under ``harness.globalstate``'s guard: a change it makes to
+        process-global torch state is a ``GlobalStateChanged``, and undone."""
+        with globalstate.guarded("when built"):
+            return resolve_backend(self.backend)(config, self.device)
 
     @property
     def semantics(self) -> Semantics:
@@ -570,7 +573,8 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             if guard is not None:
                 hooks.step_context = _arming(hooks.step_context, guard)
                 trained = GuardedOffloader(offloader, guard)
-            result = train(spec, run, trained, env.device, hooks=hooks, **kept)
+            with globalstate.guarded("during the offload run", rng=False):
+                result = train(spec, run, trained, env.device, hooks=hooks, **kept)
             return _OffloadTraining(result, sink, seen, len(offloader.state.weights), guard)
 
     guarded: GuardedRun | HostSyncError | None = None

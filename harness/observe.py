@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness import progress
 from harness.offload.protocol import (
     Group,
     IterationLog,
@@ -104,9 +105,31 @@ class _WindowState:
         a framework keeps them in one buffer, e.g. megatron-core's DDP), with its byte range
         (``Windowed.note_model``): a D2H from one of them is a weight offloaded."""
 
+        self.step = 0
+        """The training step running now (``Windowed.end_iteration`` counts them)."""
+        self.evaluating = False
+        """Whether the microbatches running now are the forward-only evaluation pass."""
+
     def current(self) -> GroupKey | None:
         with self.lock:
             return self.open[-1] if self.open else None
+
+    def position(self, phase: str, call: str, key: GroupKey | None = None) -> str:
+        """``step S, microbatch M, layer L, group G, phase P (call C)`` for messages."""
+        step = "the evaluation pass" if self.evaluating else f"step {self.step}"
+        parts = [step]
+        if key is not None:
+            mb, layer, name = key
+            parts += [label_pass(mb, self.chunks), f"layer {layer}", f"group {name}"]
+        else:
+            parts.append(label_pass(self.microbatch, self.chunks))
+        return f"{', '.join(parts)}, phase {phase} ({call})"
+
+    def locate(
+        self, exc: BaseException, phase: str, call: str, key: GroupKey | None = None
+    ) -> None:
+        """Name where ``exc`` was raised inside the offloader's calls (``harness.progress``)."""
+        progress.located(exc, self.position(phase, call, key))
 
 
 def checksum(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -169,6 +192,19 @@ class _Summed:
         self.packed, self.record = packed, record
 
 
+def _locating(unpack: Any, state: _WindowState, key: GroupKey) -> Any:
+    """``unpack`` naming the step, microbatch, layer and group of what raises in it."""
+
+    def unpacked(item: Any) -> Any:
+        try:
+            return unpack(item)
+        except Exception as exc:
+            state.locate(exc, "backward", "unpack hook", key)
+            raise
+
+    return unpacked
+
+
 def _summing(unpack: Any, state: _WindowState) -> Any:
     def unpacked(item: Any) -> Any:
         if not isinstance(item, _Summed):
@@ -199,7 +235,11 @@ class _WindowGroup:
     def __enter__(self) -> _WindowGroup:
         hooks = torch._C._autograd
         below = hooks._top_saved_tensors_default_hooks(False)
-        self.inner.__enter__()
+        try:
+            self.inner.__enter__()
+        except Exception as exc:
+            self.state.locate(exc, "forward", "group enter", self.key)
+            raise
         if self.state.observer is None:
             return self
         pushed = hooks._top_saved_tensors_default_hooks(False)
@@ -208,6 +248,7 @@ class _WindowGroup:
             # notes each saved tensor's storage, then calls it (its own __exit__ pops the top
             # pair, so the stack stays balanced); with checksums, the unpack hook too.
             pack, unpack = pushed
+            unpack = _locating(unpack, self.state, self.key)
             if self.state.checksums:
                 unpack = _summing(unpack, self.state)
             hooks._pop_saved_tensors_default_hooks()
@@ -229,6 +270,9 @@ class _WindowGroup:
             previous, state.packing = state.packing, key
             try:
                 packed = pack(tensor)
+            except Exception as exc:
+                state.locate(exc, "forward", "pack hook", key)
+                raise
             finally:
                 state.packing = previous
             return _Summed(packed, record) if summed else packed
@@ -241,13 +285,20 @@ class _WindowGroup:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.inner.__exit__(exc_type, exc, tb)
+        try:
+            self.inner.__exit__(exc_type, exc, tb)
+        except Exception as raised:
+            self.state.locate(raised, "forward", "group exit", self.key)
+            raise
         if exc_type is not None:
             self.close()
 
     def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
         try:
             return self.inner.commit(output, release)
+        except Exception as exc:
+            self.state.locate(exc, "commit", "commit", self.key)
+            raise
         finally:
             self.close()
 
@@ -269,8 +320,27 @@ class Windowed(Wrapper):
         self.state.checksums = checksums
 
     def begin_microbatch(self, microbatch: int) -> None:
-        self.state.microbatch = microbatch
-        self.inner.begin_microbatch(microbatch)
+        state = self.state
+        state.microbatch = microbatch
+        state.evaluating = not torch.is_grad_enabled()
+        progress.at(state.position("forward", "begin_microbatch"))
+        try:
+            self.inner.begin_microbatch(microbatch)
+        except Exception as exc:
+            state.locate(exc, "forward", "begin_microbatch")
+            raise
+
+    def end_iteration(self) -> None:
+        state = self.state
+        try:
+            self.inner.end_iteration()
+        except Exception as exc:
+            state.locate(exc, "end of step", "end_iteration")
+            raise
+        finally:
+            if not state.evaluating:
+                state.step += 1
+            state.evaluating = False
 
     def model_chunk(self, chunk: int, chunks: int) -> None:
         self.state.chunks = chunks
@@ -296,9 +366,10 @@ class Windowed(Wrapper):
         key = self.window_started(layer, name)
         try:
             inner = self.inner.group(name, x, layer=layer)
-        except BaseException:
+        except BaseException as exc:
             with self.state.lock:
                 self.state.open.remove(key)
+            self.state.locate(exc, "forward", "group", key)
             raise
         return _WindowGroup(inner, self.state, key)
 

@@ -43,3 +43,59 @@ class Float64(OffloadContext):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         torch.set_default_dtype(torch.float64)
+
+
+class _InSecondStep(OffloadContext):
+    """Raises ``RuntimeError("boom in <call>")`` in its second step's first call of
+    ``BOOM``."""
+
+    BOOM = ""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.ended = 0
+
+    def _boom(self, call: str) -> None:
+        if call == self.BOOM and self.ended == 1 and self.enabled:
+            raise RuntimeError(f"boom in {call}")
+
+    def end_iteration(self) -> None:
+        self._boom("end_iteration")
+        super().end_iteration()
+        self.ended += 1
+
+    def begin_microbatch(self, microbatch: int) -> None:
+        self._boom("begin_microbatch")
+        super().begin_microbatch(microbatch)
+
+    def _pack(self, group: GroupState, tensor: torch.Tensor) -> object:
+        self._boom("pack")
+        return super()._pack(group, tensor)
+
+    def _unpack(self, packed: object) -> torch.Tensor:
+        self._boom("unpack")
+        return super()._unpack(packed)
+
+    def _commit_forward(self, group: GroupState, release: tuple[torch.Tensor, ...]) -> None:
+        self._boom("commit")
+        super()._commit_forward(group, release)
+
+
+class BoomPack(_InSecondStep):
+    BOOM = "pack"
+
+
+class BoomUnpack(_InSecondStep):
+    BOOM = "unpack"
+
+
+class BoomCommit(_InSecondStep):
+    BOOM = "commit"
+
+
+class BoomBegin(_InSecondStep):
+    BOOM = "begin_microbatch"
+
+
+class BoomEnd(_InSecondStep):
+    BOOM = "end_iteration"

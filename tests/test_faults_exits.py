@@ -315,3 +315,80 @@ def test_a_full_disk_is_one_line_and_the_rest_of_the_report_is_not_tried(
         f"offload-harness: report incomplete: cannot write summary.json in {tmp_path}: "
         "No space left on device; the verdicts go on on the console only"
     )
+
+
+WHERE = {
+    "BoomPack": "step 1, microbatch 0, layer 0, group core_attn, phase forward (pack hook)",
+    "BoomUnpack": "step 1, microbatch 0, layer 4, group attn_proj, phase backward (unpack hook)",
+    "BoomCommit": "step 1, microbatch 0, layer 0, group core_attn, phase commit (commit)",
+    "BoomBegin": "step 1, microbatch 0, phase forward (begin_microbatch)",
+    "BoomEnd": "step 1, microbatch 1, phase end of step (end_iteration)",
+}
+
+
+def _judged(backend: str) -> dict[str, Any]:
+    import torch
+
+    from harness.cases import find_case
+    from harness.execute import Environment
+    from harness.judge import judge
+
+    env = Environment(device=torch.device("cpu"), backend=f"offloaders:{backend}")
+    return judge(find_case(CASE), env).record()
+
+
+@pytest.mark.parametrize("backend", WHERE)
+def test_an_offloader_error_names_where_once(backend: str) -> None:
+    """An exception in the offloader's calls is one problem of the case, naming the step, the
+    microbatch, the layer, the group and the phase; the other checks that read the failed run
+    skip, pointing to the one that reports it."""
+    record = _judged(backend)
+    call = backend.removeprefix("Boom").lower()
+    call = {"begin": "begin_microbatch", "end": "end_iteration"}.get(call, call)
+    assert record["problems"] == [
+        f"equivalence: the case's runs raised RuntimeError: boom in {call} "
+        f"(raised in the offloader's calls at {WHERE[backend]})"
+    ]
+    assert record["verdict"] == "fail"
+    pointing = {"status": "skip", "reason": "the case's runs raised: see the equivalence check"}
+    for name in ("leaks", "transfers", "disabled", "fidelity", "weights"):
+        assert record["checks"][name] == pointing, name
+
+
+def test_a_backend_that_changes_global_state_is_named_not_a_graph_change() -> None:
+    """A backend that sets torch's default dtype when built: one failure naming the setting,
+    before and after (no ``graph change``), and the setting restored for what runs next."""
+    import torch
+
+    record = _judged("Float64")
+    assert record["problems"] == [
+        "equivalence: the backend changed torch's default dtype from torch.float32 to "
+        "torch.float64 when built"
+    ]
+    assert torch.get_default_dtype() == torch.float32
+    assert _judged("Keep")["verdict"] == "pass"  # the next case is not contaminated
+
+
+def test_the_global_state_guard_names_and_restores_every_setting() -> None:
+    import torch
+
+    from harness import globalstate
+
+    before = globalstate.snapshot()
+    with pytest.raises(globalstate.GlobalStateChanged) as caught:
+        with globalstate.guarded("when built"):
+            torch.set_num_threads(torch.get_num_threads() + 1)
+            torch.set_grad_enabled(False)
+            torch.set_float32_matmul_precision("medium")
+            torch.rand(1)
+    message = str(caught.value)
+    for part in (
+        "the backend changed intra-op threads from",
+        "the backend changed grad mode from True to False when built",
+        "the backend changed float32 matmul precision from highest to medium when built",
+        "the backend changed the CPU random number generator's state when built",
+    ):
+        assert part in message, message
+    assert globalstate.changes(before, globalstate.snapshot()) == []
+    with globalstate.guarded("during the offload run", rng=False):
+        torch.rand(1)  # a run draws random numbers itself: no change
