@@ -28,6 +28,7 @@ import faulthandler
 import os
 import re
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -38,13 +39,15 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
-from harness import leftovers
+from harness import leftovers, progress
 from harness.cases import Case
 from harness.execute import Environment, sharing_groups
 from harness.judge import judge
 from harness.parallel import kill_pool, worker_pool
 
 _HEADER = "offload-harness case worker"
+_AT = "at: "
+"""How a worker's position lines in a case's dump file begin (``harness.progress``)."""
 _DUMP_MARK = "most recent call first"
 """Text faulthandler writes in every thread's dump: the case's file holds a stack dump."""
 
@@ -72,6 +75,7 @@ def run_case(
         stream.write(f"{_HEADER} pid {os.getpid()}: case {case.name}, timeout {timeout:g} s\n")
         stream.flush()
         faulthandler.dump_traceback_later(timeout, exit=True, file=stream)
+        progress.report_to(lambda position: _report(stream, f"{_AT}case {case.name}, {position}"))
     running = leftovers.Running.now()
     try:
         record = judge(case, env, update_golden=update_golden).record()
@@ -82,12 +86,43 @@ def run_case(
     finally:
         if stream is not None:
             faulthandler.cancel_dump_traceback_later()
+            progress.report_to(None)
             stream.close()
             Path(stream.name).unlink(missing_ok=True)
     note = leftovers.left_running(running)
     if note is not None:
         record.setdefault("notes", []).append(note)
     return record, time.perf_counter() - began
+
+
+def _report(stream: Any, line: str) -> None:
+    """A position line into the case's dump file, at once (the worker may die next)."""
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def _death(text: str, exitcodes: dict[int, int | None]) -> str:
+    """What the dump file ``text`` of a case whose worker died says: the worker's exit status
+    or signal (``exitcodes``: pid -> exit code of the pool's workers) and the last position it
+    reported."""
+    found = re.search(r"pid (\d+)", text)
+    code = exitcodes.get(int(found.group(1))) if found else None
+    if code is None:
+        how = "exit status unknown"
+    elif code < 0:
+        how = f"killed by signal {_signal_name(-code)}"
+    else:
+        how = f"exit status {code}"
+    positions = [line for line in text.splitlines() if line.startswith(_AT)]
+    last = positions[-1].removeprefix(_AT) if positions else "before its first microbatch"
+    return f"{how}; last position reported: {last}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 def run_bundle(
@@ -133,6 +168,7 @@ def run_cases(
     dumps = {i: scratch / f"{slug(case.name)}.txt" for i, case in enumerate(cases)}
     pending = list(range(len(cases)))
     deaths: Counter[int] = Counter()
+    exitcodes: dict[int, int | None] = {}
     status = "complete"
     began: dict[int, float] = {}
 
@@ -177,6 +213,7 @@ def run_cases(
                     results = future.result()
                 except BrokenProcessPool:
                     broken = True
+                    exitcodes = _exitcodes(pool)
                     break
                 except Exception as exc:  # e.g. a result that cannot be pickled back
                     problem = f"error: {type(exc).__name__}: {exc}"
@@ -209,11 +246,24 @@ def run_cases(
                 deaths[index] += 1
                 path.unlink()
                 if deaths[index] > 1:
-                    problem = "error: worker process died twice while running the case"
+                    problem = (
+                        "error: worker process died twice while running the case: "
+                        f"{_death(text, exitcodes)}"
+                    )
                     finish(index, error_record(cases[index], problem), seconds)
     with contextlib.suppress(OSError):
         scratch.rmdir()  # only when no timed-out case's dump stayed there
     return status
+
+
+def _exitcodes(pool: Any) -> dict[int, int | None]:
+    """Pid -> exit code (None: still running) of a broken pool's workers, before they are
+    killed (a signal's is its negative number)."""
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    deadline = time.monotonic() + 1.0  # the dead one's status travels through the forkserver
+    while time.monotonic() < deadline and all(w.exitcode is None for w in workers):
+        time.sleep(0.02)
+    return {w.pid: w.exitcode for w in workers}
 
 
 def _keep_dump(path: Path, folder: Path | None) -> Path:

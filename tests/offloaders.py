@@ -3,6 +3,8 @@ offloaders:Name``): each provokes one row of ``tests/test_faults_run.py``'s faul
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import torch
@@ -99,3 +101,12 @@ class BoomBegin(_InSecondStep):
 
 class BoomEnd(_InSecondStep):
     BOOM = "end_iteration"
+
+
+class Segfault(OffloadContext):
+    """Dies of SIGSEGV in its first step's second microbatch (a crash in native code would)."""
+
+    def begin_microbatch(self, microbatch: int) -> None:
+        if microbatch == 1:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        super().begin_microbatch(microbatch)

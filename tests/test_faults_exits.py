@@ -392,3 +392,15 @@ def test_the_global_state_guard_names_and_restores_every_setting() -> None:
     assert globalstate.changes(before, globalstate.snapshot()) == []
     with globalstate.guarded("during the offload run", rng=False):
         torch.rand(1)  # a run draws random numbers itself: no change
+
+
+@pytest.mark.heavy
+def test_a_dead_workers_verdict_names_its_signal_and_last_position(backends: Path) -> None:
+    done = _run(backends, "--case", CASE, "--backend", "offloaders:Segfault", "--report-dir", "r")
+    assert done.returncode == 1, done.stdout + done.stderr
+    (case,) = _summary(backends / "r")["cases"]
+    assert case["problems"] == [
+        "error: worker process died twice while running the case: killed by signal SIGSEGV; "
+        f"last position reported: case {CASE}, step 0, microbatch 1, phase forward "
+        "(begin_microbatch)"
+    ]
