@@ -47,6 +47,7 @@ from harness.offload.backends import (
 from harness.parallel import threads_per_worker
 from harness.plots import preload_plotting
 from harness.report import (
+    REPORT_INCOMPLETE,
     claim_run_folder,
     is_failure,
     skip_reason,
@@ -91,11 +92,6 @@ def _stopped_by_signals() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-REPORT_INCOMPLETE = 3
-"""The exit code of a run whose report folder could not be written completely (disk full,
-folder removed, permissions changed mid-run); its console output holds every verdict."""
 
 
 class _ReportWriter:

@@ -49,6 +49,12 @@ timeout and could not be unwound (``timed-out``), another rank of a torchrun job
 process group broke (``aborted``)."""
 
 
+REPORT_INCOMPLETE = 6
+"""The exit code of a run or pytest session whose report folder could not be written
+completely (disk full, folder removed, permissions changed mid-run): distinct from pytest's
+own 0-5 and from 128 + a signal. The console output holds every verdict."""
+
+
 class ReportDirError(ValueError):
     """A report folder that cannot be created or written; the message is one line,
     ``--report-dir <path>: <reason>``."""

@@ -256,7 +256,7 @@ def test_a_stop_signal_leaves_a_report_and_the_conventional_exit_code(
 
 
 @pytest.mark.heavy
-def test_a_report_folder_removed_mid_run_is_one_line_and_exit_3(backends: Path) -> None:
+def test_a_report_folder_removed_mid_run_is_one_line_and_exit_6(backends: Path) -> None:
     """The report folder disappears while a case runs (a cleanup job, a full disk's remedy):
     one line on stderr, no traceback, every verdict and the count still on the console, and
     the exit code says the report is incomplete."""
@@ -283,7 +283,7 @@ def test_a_report_folder_removed_mid_run_is_one_line_and_exit_3(backends: Path) 
     finally:
         watchdog.cancel()
     out = "".join(seen) + rest
-    assert process.returncode == 3, out + err
+    assert process.returncode == 6, out + err
     assert "Traceback" not in out + err
     (line,) = err.strip().splitlines()
     assert line.startswith("offload-harness: report incomplete: cannot write summary.json in ")
@@ -404,3 +404,28 @@ def test_a_dead_workers_verdict_names_its_signal_and_last_position(backends: Pat
         f"last position reported: case {CASE}, step 0, microbatch 1, phase forward "
         "(begin_microbatch)"
     ]
+
+
+def test_pytest_report_that_cannot_be_written_is_one_line_not_an_internal_error(
+    pytester: pytest.Pytester,
+) -> None:
+    """The session's report folder is replaced by a file mid-session: the terminal summary
+    says so in one line, no INTERNALERROR, and the exit status says the report is incomplete."""
+    pytester.makepyfile(
+        test_inner="""
+import shutil
+from harness.plugin.report import report_folder
+
+def test_ok(pytestconfig):
+    folder = report_folder(pytestconfig)
+    shutil.rmtree(folder)
+    folder.write_text("a file is in the way")
+"""
+    )
+    result = pytester.runpytest("-p", "harness.plugin", "--device", "cpu", "--report-dir", "r")
+    lines = [*result.outlines, *result.errlines]
+    assert not any("INTERNALERROR" in line for line in lines), lines
+    incomplete = [line for line in lines if "report incomplete" in line]
+    assert len(incomplete) == 1 and "cannot write" in incomplete[0], lines
+    assert result.ret == 6
+    result.assert_outcomes(passed=1)
