@@ -21,6 +21,8 @@ import warm
 
 from harness.cli import main
 
+pytest_plugins = ["pytester"]
+
 HERE = Path(__file__).resolve().parent
 ZERO3 = (
     "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16_zero3",
