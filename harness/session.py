@@ -169,6 +169,7 @@ def run_cases(
     pending = list(range(len(cases)))
     deaths: Counter[int] = Counter()
     exitcodes: dict[int, int | None] = {}
+    timed_out: list[Path] = []
     status = "complete"
     began: dict[int, float] = {}
 
@@ -186,73 +187,80 @@ def run_cases(
         pending.remove(index)
         on_record(index, record, seconds)
 
-    while pending:
-        bundles = _bundles(cases, env, pending)
-        workers = min(jobs, len(bundles))
-        pool = worker_pool(workers, env.device)
-        futures: dict[Future[Any], list[int]] = {}
-        for bundle in bundles:
-            for index in bundle:
-                began.setdefault(index, time.perf_counter())
-            call = (
-                [cases[i] for i in bundle],
-                env,
-                update_golden,
-                timeout,
-                [str(dumps[i]) for i in bundle],
-            )
-            futures[pool.submit(run_bundle, *call)] = bundle
-        if on_start is not None:
-            on_start(workers)
-            on_start = None
-        broken = False
-        try:
-            for future in as_completed(futures):
-                bundle = futures[future]
-                try:
-                    results = future.result()
-                except BrokenProcessPool:
-                    broken = True
-                    exitcodes = _exitcodes(pool)
-                    break
-                except Exception as exc:  # e.g. a result that cannot be pickled back
-                    problem = f"error: {type(exc).__name__}: {exc}"
-                    results = [
-                        (error_record(cases[i], problem), time.perf_counter() - began[i])
-                        for i in bundle
-                    ]
-                for index, (record, seconds) in zip(bundle, results, strict=True):
-                    finish(index, record, seconds)
-        except BaseException:
-            kill_pool(pool)
-            raise
-        if not broken:
-            kill_pool(pool)  # every call reported; what a backend left running ends here
-            continue
-        kill_pool(pool)
-        for index in list(pending):
-            path = dumps[index]
-            text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
-            seconds = time.perf_counter() - began[index]
-            if _DUMP_MARK in text:
-                status = "timed-out"
-                path = _keep_dump(path, folder)
-                problem = (
-                    f"timed out: the case ran past --case-timeout {timeout:g} s; every "
-                    f"thread's stack: {path}"
+    try:
+        while pending:
+            bundles = _bundles(cases, env, pending)
+            workers = min(jobs, len(bundles))
+            pool = worker_pool(workers, env.device)
+            futures: dict[Future[Any], list[int]] = {}
+            for bundle in bundles:
+                for index in bundle:
+                    began.setdefault(index, time.perf_counter())
+                call = (
+                    [cases[i] for i in bundle],
+                    env,
+                    update_golden,
+                    timeout,
+                    [str(dumps[i]) for i in bundle],
                 )
-                finish(index, error_record(cases[index], problem), seconds)
-            elif text:  # it was running when a worker died
-                deaths[index] += 1
-                path.unlink()
-                if deaths[index] > 1:
+                futures[pool.submit(run_bundle, *call)] = bundle
+            if on_start is not None:
+                on_start(workers)
+                on_start = None
+            broken = False
+            try:
+                for future in as_completed(futures):
+                    bundle = futures[future]
+                    try:
+                        results = future.result()
+                    except BrokenProcessPool:
+                        broken = True
+                        exitcodes = _exitcodes(pool)
+                        break
+                    except Exception as exc:  # e.g. a result that cannot be pickled back
+                        problem = f"error: {type(exc).__name__}: {exc}"
+                        results = [
+                            (error_record(cases[i], problem), time.perf_counter() - began[i])
+                            for i in bundle
+                        ]
+                    for index, (record, seconds) in zip(bundle, results, strict=True):
+                        finish(index, record, seconds)
+            except BaseException:
+                kill_pool(pool)
+                raise
+            if not broken:
+                kill_pool(pool)  # every call reported; what a backend left running ends here
+                continue
+            kill_pool(pool)
+            for index in list(pending):
+                path = dumps[index]
+                text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+                seconds = time.perf_counter() - began[index]
+                if _DUMP_MARK in text:
+                    status = "timed-out"
+                    path = _keep_dump(path, folder)
+                    timed_out.append(path)
                     problem = (
-                        "error: worker process died twice while running the case: "
-                        f"{_death(text, exitcodes)}"
+                        f"timed out: the case ran past --case-timeout {timeout:g} s; every "
+                        f"thread's stack: {path}"
                     )
                     finish(index, error_record(cases[index], problem), seconds)
-    with contextlib.suppress(OSError):
-        scratch.rmdir()  # only when no timed-out case's dump stayed there
+                elif text:  # it was running when a worker died
+                    deaths[index] += 1
+                    path.unlink()
+                    if deaths[index] > 1:
+                        problem = (
+                            "error: worker process died twice while running the case: "
+                            f"{_death(text, exitcodes)}"
+                        )
+                        finish(index, error_record(cases[index], problem), seconds)
+    finally:  # a stopped run's dumps are of nothing: only a timed-out case's may stay
+        kept = set(timed_out)
+        for path in dumps.values():
+            if path not in kept:
+                path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            scratch.rmdir()  # only when no timed-out case's dump stayed there
     return status
 
 
