@@ -11,7 +11,8 @@
 
 A run writes ``<--report-dir>/<UTC time>_<sha>[_dirty]/``: summary.json, junit.xml, index.html
 and plots. Bad input is one line on stderr and exit code 2; a failing case (or a divergence
-under ``repro``) is exit code 1.
+under ``repro``) is exit code 1; a report folder that cannot be written, 6
+(``REPORT_INCOMPLETE``); Ctrl-C 130, SIGTERM 143, SIGHUP 129 (docs/reports.md).
 """
 
 from __future__ import annotations
