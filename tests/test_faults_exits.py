@@ -431,3 +431,47 @@ def test_ok(pytestconfig):
     assert len(incomplete) == 1 and "cannot write" in incomplete[0], lines
     assert result.ret == 6
     result.assert_outcomes(passed=1)
+
+
+SLEEPER = """
+import pathlib, time
+
+def test_sleeps():
+    pathlib.Path("started").write_text("")
+    time.sleep(120)
+"""
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    ("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)], ids=["SIGTERM", "SIGHUP"]
+)
+def test_a_stop_signal_ends_a_pytest_session_with_a_report(
+    backends: Path, signum: int, code: int
+) -> None:
+    """Under pytest (the plugin) SIGTERM and SIGHUP end the session as Ctrl-C does: a summary
+    marked ``terminated``, the conventional exit code, within 3 s, no INTERNALERROR."""
+    from child_pytest import pytest_command
+
+    (backends / "test_sleeper.py").write_text(SLEEPER)
+    argv = pytest_command("-p", "harness.plugin", "test_sleeper.py", "--device", "cpu")
+    process = subprocess.Popen(
+        [*argv, "--report-dir", "r", "-p", "no:xdist"],
+        cwd=backends,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=warm.confine,
+    )
+    deadline = time.monotonic() + 120
+    while not (backends / "started").exists() and time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[0]
+        time.sleep(0.05)
+    began = time.perf_counter()
+    process.send_signal(signum)
+    out, _ = process.communicate(timeout=60)
+    seconds = time.perf_counter() - began
+    assert process.returncode == code, out
+    assert seconds < 3, seconds
+    assert "INTERNALERROR" not in out
+    assert _summary(backends / "r")["status"] == "terminated"
