@@ -4,8 +4,11 @@ whatever a backend left behind; the case's record names them in one line (``note
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,3 +69,33 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return "ended"
+
+
+def stray_threads(grace: float = GRACE_S) -> list[threading.Thread]:
+    """The non-daemon threads besides the main one still running after ``grace`` seconds."""
+    deadline = time.monotonic() + grace
+    stray = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+    for thread in stray:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in stray if t.is_alive()]
+
+
+def exit_past_stray_threads(code: Callable[[], int], who: str) -> None:
+    """At interpreter exit, before it joins the non-daemon threads (forever, if one never
+    ends: a backend's prefetch thread nobody joins), name the ones still running on stderr and
+    exit at once with ``code()`` (a pytest session's in-process cases)."""
+
+    def leave() -> None:
+        alive = [repr(t.name) for t in stray_threads()]
+        if not alive:
+            return
+        print(
+            f"{who}: note: not waiting for thread(s) {', '.join(alive)} left running in this "
+            "process (by the backend)",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code())
+
+    threading._register_atexit(leave)  # type: ignore[attr-defined]

@@ -475,3 +475,31 @@ def test_a_stop_signal_ends_a_pytest_session_with_a_report(
     assert seconds < 3, seconds
     assert "INTERNALERROR" not in out
     assert _summary(backends / "r")["status"] == "terminated"
+
+
+STRAY = """
+import threading
+
+def test_leaves_a_thread():
+    threading.Thread(target=threading.Event().wait, name="prefetch", daemon=False).start()
+"""
+
+
+@pytest.mark.heavy
+def test_a_pytest_session_ends_past_a_thread_nobody_joins(backends: Path) -> None:
+    """A session whose in-process case leaves a non-daemon thread running still ends, with its
+    own exit status, naming the thread."""
+    from child_pytest import pytest_command
+
+    (backends / "test_stray.py").write_text(STRAY)
+    argv = pytest_command("-p", "harness.plugin", "test_stray.py", "--device", "cpu")
+    done = subprocess.run(
+        [*argv, "--report-dir", "", "-p", "no:xdist"],
+        cwd=backends,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=warm.confine,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "not waiting for thread(s) 'prefetch'" in done.stderr

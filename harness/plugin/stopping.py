@@ -8,6 +8,8 @@ import faulthandler
 import signal
 from collections.abc import Callable
 
+from harness import leftovers
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """The signals that stop a plain pytest session as Ctrl-C does (``terminated``)."""
 
@@ -34,3 +36,17 @@ def stopping(console_fd: int) -> Callable[[int, object], None]:
         raise Terminated(signal.Signals(signum).name)
 
     return stop
+
+
+_EXIT: list[int] = [0]
+
+
+def exit_status(status: int) -> None:
+    """The session's exit status, for ``leftovers.exit_past_stray_threads``."""
+    _EXIT[0] = status
+
+
+def leave_past_stray_threads() -> None:
+    """A session whose cases' backends left a non-daemon thread running still ends, with its
+    exit status, naming the thread (``harness.leftovers``)."""
+    leftovers.exit_past_stray_threads(lambda: _EXIT[0], "offload-harness")
