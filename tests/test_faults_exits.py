@@ -503,3 +503,34 @@ def test_a_pytest_session_ends_past_a_thread_nobody_joins(backends: Path) -> Non
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "not waiting for thread(s) 'prefetch'" in done.stderr
+
+
+@pytest.mark.heavy
+def test_under_pytest_an_offloader_error_fails_one_test_naming_where(backends: Path) -> None:
+    """The pytest path of the same judge: the first case test that reads the failed run fails
+    with the exception and where it was raised; the case's other tests skip, pointing to it."""
+    from child_pytest import pytest_command
+
+    root = HERE.parent / "cases"
+    tests = [
+        f"{root}/test_equivalence.py::test_loss_equivalence[{CASE}]",
+        f"{root}/test_equivalence.py::test_no_leaks[{CASE}]",
+        f"{root}/test_transfers.py::test_transfer_counts[{CASE}]",
+        f"{root}/test_transfers.py::test_no_weight_offloaded[{CASE}]",
+    ]
+    argv = pytest_command("-p", "harness.plugin", *tests, "--device", "cpu", "-rs")
+    done = subprocess.run(
+        [*argv, "--backend", "offloaders:BoomUnpack", "--report-dir", "", "-p", "no:xdist"],
+        cwd=backends,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        preexec_fn=warm.confine,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "1 failed, 3 skipped" in out, out
+    assert f"at {WHERE['BoomUnpack']}" in out, out
+    skipped = [line for line in out.splitlines() if line.startswith("SKIPPED [3]")]
+    assert len(skipped) == 1, out
+    assert skipped[0].endswith("the case's runs raised: see the equivalence check"), out
