@@ -534,3 +534,23 @@ def test_under_pytest_an_offloader_error_fails_one_test_naming_where(backends: P
     skipped = [line for line in out.splitlines() if line.startswith("SKIPPED [3]")]
     assert len(skipped) == 1, out
     assert skipped[0].endswith("the case's runs raised: see the equivalence check"), out
+
+
+@pytest.mark.heavy
+def test_under_pytest_kept_references_pass_the_zero3_transfer_tests(backends: Path) -> None:
+    from child_pytest import pytest_command
+
+    root = HERE.parent / "cases"
+    tests = [f"{root}/test_transfers.py::test_transfer_counts[{name}]" for name in ZERO3]
+    argv = pytest_command("-p", "harness.plugin", *tests, "--device", "cpu")
+    done = subprocess.run(
+        [*argv, "--backend", "offloaders:Keep", "--report-dir", "", "-p", "no:xdist"],
+        cwd=backends,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        preexec_fn=warm.confine,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "2 passed" in out, out
