@@ -599,7 +599,11 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     attribution = attribute(sink, mine, per_step)
     disabled: list[TransferCounts] = []
     disabled_seen: list[Observed] = []
-    with _closing(Windowed(env.offloader(config))) as offloader, _timed(seconds, "disabled"):
+    with (
+        _closing(Windowed(env.offloader(config))) as offloader,
+        _timed(seconds, "disabled"),
+        globalstate.guarded("during the disabled run", rng=False),
+    ):
         offloader.set_enabled(False)
         train(
             spec,

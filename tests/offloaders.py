@@ -110,3 +110,15 @@ class Segfault(OffloadContext):
         if microbatch == 1:
             os.kill(os.getpid(), signal.SIGSEGV)
         super().begin_microbatch(microbatch)
+
+
+class Threads(OffloadContext):
+    """Changes torch's intra-op threads at the end of its first step (a tuning knob)."""
+
+    changed = False
+
+    def end_iteration(self) -> None:
+        super().end_iteration()
+        if self.enabled and not self.changed:
+            self.changed = True
+            torch.set_num_threads(torch.get_num_threads() + 1)

@@ -554,3 +554,15 @@ def test_under_pytest_kept_references_pass_the_zero3_transfer_tests(backends: Pa
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "2 passed" in out, out
+
+
+def test_a_backend_that_changes_global_state_while_it_runs_is_named() -> None:
+    import torch
+
+    threads = torch.get_num_threads()
+    record = _judged("Threads")
+    assert record["problems"] == [
+        f"equivalence: the backend changed intra-op threads from {threads} to {threads + 1} "
+        "during the offload run"
+    ]
+    assert torch.get_num_threads() == threads
