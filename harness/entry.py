@@ -8,11 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-import time
-
-GRACE_S = 1.0
-"""How long the threads left running at the end may take to end by themselves."""
 
 
 def main() -> int:
@@ -31,13 +26,11 @@ def main() -> int:
 
 
 def _leave_stray_threads(code: int) -> None:
-    """Exit now with ``code`` when a non-daemon thread outlives ``GRACE_S``: the interpreter
-    would join it at exit, forever if it never ends."""
-    deadline = time.monotonic() + GRACE_S
-    stray = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
-    for thread in stray:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    alive = [repr(t.name) for t in stray if t.is_alive()]
+    """Exit now with ``code`` when a non-daemon thread outlives ``leftovers.GRACE_S``: the
+    interpreter would join it at exit, forever if it never ends."""
+    from harness import leftovers
+
+    alive = [repr(t.name) for t in leftovers.stray_threads()]
     if not alive:
         return
     print(
