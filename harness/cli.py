@@ -1,7 +1,7 @@
 """``offload-harness``: run the case matrix (or one case) and report; list cases and backends.
 
     offload-harness run                       # default matrix on the best device, report
-    offload-harness run --case ID             # one case of the table
+    offload-harness run --case ID [--case ID]  # cases of the table
     offload-harness run --pattern +E-- --offload core_attn,moe_act --schedule 1f1b
     offload-harness run --update-golden       # rewrite the golden baseline traces
     offload-harness repro --case ID [--bisect]   # reproduce one case, localise a divergence
@@ -11,17 +11,20 @@
 
 A run writes ``<--report-dir>/<UTC time>_<sha>[_dirty]/``: summary.json, junit.xml, index.html
 and plots. Bad input is one line on stderr and exit code 2; a failing case (or a divergence
-under ``repro``) is exit code 1.
+under ``repro``) is exit code 1; a report folder that cannot be written, 6
+(``REPORT_INCOMPLETE``); Ctrl-C 130, SIGTERM 143, SIGHUP 129 (docs/reports.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -45,6 +48,7 @@ from harness.offload.backends import (
 from harness.parallel import threads_per_worker
 from harness.plots import preload_plotting
 from harness.report import (
+    REPORT_INCOMPLETE,
     claim_run_folder,
     is_failure,
     skip_reason,
@@ -63,7 +67,85 @@ class UsageError(Exception):
     """Bad command-line input (exit code 2)."""
 
 
+class Stopped(BaseException):
+    """A stop signal (SIGTERM, SIGHUP) arrived while cases ran: the run ends as Ctrl-C ends it,
+    with a report whose status is ``terminated`` and the exit code 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """While the cases run, SIGTERM and SIGHUP raise ``Stopped`` (SIGINT raises
+    ``KeyboardInterrupt``), so the workers are killed and the summary says how the run ended."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+class _ReportWriter:
+    """Writes into the run's report folder; the first write that fails is one line on stderr,
+    no traceback, and no later write is tried: the run goes on, the console keeps every
+    verdict, and the exit code says the report is incomplete (``REPORT_INCOMPLETE``)."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+        self.failed = False
+
+    def write(self, what: str, write: Callable[[], Any]) -> Any:
+        """``write()``'s result, or None when there is no folder or a write failed."""
+        if self.folder is None or self.failed:
+            return None
+        try:
+            return write()
+        except OSError as exc:
+            self.failed = True
+            why = exc.strerror or str(exc)
+            print(
+                f"offload-harness: report incomplete: cannot write {what} in {self.folder}: "
+                f"{why}; the verdicts go on on the console only",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
+
+
+class _StoreOnce(argparse._StoreAction):
+    """Store an option's value, refusing a second one: a repeated flag is never dropped
+    silently (the repeatable ones, ``run --case``, append instead)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = namespace.__dict__.setdefault("_given", set())
+        if self.dest in given:
+            raise UsageError(f"{option_string} was given twice; it takes one value")
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
 
@@ -87,7 +169,11 @@ def _parser() -> argparse.ArgumentParser:
     settings.add_arguments(
         run, (*RUN_SETTINGS, "matrix", "family", "jobs", "case_timeout", "update_golden")
     )
-    run.add_argument("--case", help="run only this case id (see `offload-harness cases`)")
+    run.add_argument(
+        "--case",
+        action="append",
+        help="run this case id (see `offload-harness cases`); repeat it to run several",
+    )
     _case_flags(run.add_argument_group("one custom case (instead of the matrix) or overrides"))
     repro = sub.add_parser("repro", help="reproduce one case: loss table, first divergence")
     settings.add_arguments(repro, (*RUN_SETTINGS, "family"))
@@ -136,9 +222,19 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _row_with_overrides(args: argparse.Namespace) -> Case:
-    """The ``--case`` row with the fields the flags set (``run`` and ``repro`` alike)."""
-    return find_case(args.case).replace(**_overrides(args))
+def _row_with_overrides(args: argparse.Namespace, name: str | None = None) -> Case:
+    """The ``--case`` row (``name``, one of several under ``run``) with the fields the flags
+    set (``run`` and ``repro`` alike)."""
+    return find_case(name or args.case).replace(**_overrides(args))
+
+
+def _case_ids(args: argparse.Namespace) -> list[str]:
+    """Every ``--case`` given (``run`` repeats it; ``repro`` takes one), each once."""
+    names = args.case if isinstance(args.case, list) else [args.case] if args.case else []
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UsageError(f"--case {twice[0]} was given twice")
+    return names
 
 
 def _family(pattern: str, names: tuple[str, ...]) -> str:
@@ -180,7 +276,7 @@ def _select(args: argparse.Namespace) -> list[Case]:
         return [_custom_case(args)]
     if args.case:
         try:
-            return [_row_with_overrides(args)]
+            return [_row_with_overrides(args, name) for name in _case_ids(args)]
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     if _overrides(args):
@@ -206,9 +302,10 @@ def _environment(args: argparse.Namespace) -> Environment:
         raise UsageError(f"--case and {flags} are exclusive")
     if getattr(args, "case", None):
         try:
-            impl = find_case(args.case).impl
+            impls = {find_case(name).impl for name in _case_ids(args)}
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        impl = impls.pop() if len(impls) == 1 else None
     values = {name: getattr(args, name) for name in settings.OPTIONS if hasattr(args, name)}
     resolved = settings.checked(lambda: settings.resolve(values, impl=impl), UsageError)
     settings.apply(resolved)
@@ -252,6 +349,7 @@ def command_run(args: argparse.Namespace) -> int:
         nvte_cpu_offload_v1=args.settings.nvte_cpu_offload_v1,
         cuda_sanitizer=args.settings.cuda_sanitizer,
     )
+    report = _ReportWriter(folder)
     records: list[dict[str, Any] | None] = [None] * len(cases)
     start = time.perf_counter()
 
@@ -269,7 +367,12 @@ def command_run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         if folder is not None:  # a valid summary.json after every case
             seconds_so_far = round(time.perf_counter() - start, 2)
-            write_summary(folder, finished(), status="running", seconds=seconds_so_far, **fields)
+            report.write(
+                "summary.json",
+                lambda: write_summary(
+                    folder, finished(), status="running", seconds=seconds_so_far, **fields
+                ),
+            )
 
     if folder is not None and plots:
         preload_plotting()
@@ -285,35 +388,29 @@ def command_run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    stopped = 0  # the exit code of a run a signal stopped
     try:
-        status = run_cases(
-            cases,
-            env,
-            jobs=jobs,
-            timeout=args.settings.case_timeout,
-            folder=folder,
-            on_record=on_record,
-            update_golden=args.update_golden,
-            on_start=on_start,
-        )
+        with _stopped_by_signals():
+            status = run_cases(
+                cases,
+                env,
+                jobs=jobs,
+                timeout=args.settings.case_timeout,
+                folder=folder,
+                on_record=on_record,
+                update_golden=args.update_golden,
+                on_start=on_start,
+            )
     except KeyboardInterrupt:
-        status = "interrupted"
+        status, stopped = "interrupted", 128 + signal.SIGINT
+    except Stopped as stop:
+        status, stopped = "terminated", 128 + stop.signum
     fields.update(status=status, seconds=round(time.perf_counter() - start, 2))
-    if folder is not None:
-        summary = json.loads(write_summary(folder, finished(), **fields).read_text())
-        write_junit(folder, summary)
-        if status == "interrupted":  # leave at once: the summary is valid, plots can wait
-            where = f"report: {folder / 'summary.json'} (interrupted; no index.html)"
-        else:
-            began = time.perf_counter()
-            index = render_index(folder)
-            where = f"report: {index} (rendered in {time.perf_counter() - began:.1f}s)"
-    else:  # '' writes none, as in pytest
-        summary = json.loads(summary_text(finished(), **fields))
-        where = "no report (--report-dir '')"
-    if status == "interrupted":
-        print(f"\ninterrupted after {len(finished())} of {len(cases)} cases; {where}")
-        return 130
+    summary = json.loads(summary_text(finished(), **fields))
+    where = _write_report(report, summary, fields, finished(), stopped=bool(stopped))
+    if stopped:
+        print(f"\n{status} after {len(finished())} of {len(cases)} cases; {where}")
+        return stopped
     print()
     print(verdict_table(summary))
     for case in summary["cases"]:
@@ -326,6 +423,9 @@ def command_run(args: argparse.Namespace) -> int:
             f"\ngolden: {len(missing)} of {len(cases)} cases not compared - "
             f"{missing[0]['golden']['message']}"
         )
+    for case in summary["cases"]:
+        for line in case.get("notes", ()):
+            print(f"\nNOTE {case['name']}: {line}")
     failed = sum(map(is_failure, summary["cases"]))
     skipped = [c for c in summary["cases"] if c["verdict"] == "skip"]
     for case in skipped:
@@ -333,7 +433,35 @@ def command_run(args: argparse.Namespace) -> int:
     passed = len(cases) - failed - len(skipped)
     also = f", {len(skipped)} skipped" if skipped else ""
     print(f"\n{passed}/{len(cases)} cases passed{also} in {summary['seconds']:.1f}s; {where}")
+    if report.failed and not stopped:
+        return REPORT_INCOMPLETE
     return 1 if failed or status != "complete" else 0
+
+
+def _write_report(
+    report: _ReportWriter,
+    summary: dict[str, Any],
+    fields: dict[str, Any],
+    records: list[dict[str, Any]],
+    *,
+    stopped: bool,
+) -> str:
+    """Write the final summary.json, junit.xml and (unless a signal stopped the run, which
+    leaves at once) index.html; the console's line saying where the report is."""
+    folder = report.folder
+    if folder is None:  # '' writes none, as in pytest
+        return "no report (--report-dir '')"
+    report.write("summary.json", lambda: write_summary(folder, records, **fields))
+    report.write("junit.xml", lambda: write_junit(folder, summary))
+    if report.failed:
+        return f"report incomplete: {folder} (see the line above)"
+    if stopped:  # the summary is valid, plots can wait
+        return f"report: {folder / 'summary.json'} ({fields['status']}; no index.html)"
+    began = time.perf_counter()
+    index = report.write("index.html", lambda: render_index(folder))
+    if index is None:
+        return f"report incomplete: {folder} (see the line above)"
+    return f"report: {index} (rendered in {time.perf_counter() - began:.1f}s)"
 
 
 def _claim_folder(root: Path | None) -> Path | None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from harness import distributed
+from harness import distributed, globalstate
 from harness.cases import Case
 from harness.compare import (
     Verdict,
@@ -82,7 +82,10 @@ class Environment:
     (``harness.learn``) even where its factory declares one (``mutation-score --undeclared``)."""
 
     def offloader(self, config: OffloadConfig) -> Offloader:
-        return resolve_backend(self.backend)(config, self.device)
+        """The backend, built under ``harness.globalstate``'s guard: a change it makes to
+        process-global torch state is a ``GlobalStateChanged``, and undone."""
+        with globalstate.guarded("when built"):
+            return resolve_backend(self.backend)(config, self.device)
 
     @property
     def declared(self) -> Semantics | None:
@@ -578,7 +581,8 @@ def run_case(case: Case, env: Environment) -> CaseRun:
             if guard is not None:
                 hooks.step_context = _arming(hooks.step_context, guard)
                 trained = GuardedOffloader(offloader, guard)
-            result = train(spec, run, trained, env.device, hooks=hooks, **kept)
+            with globalstate.guarded("during the offload run", rng=False):
+                result = train(spec, run, trained, env.device, hooks=hooks, **kept)
             return _OffloadTraining(result, sink, seen, len(offloader.state.weights), guard)
 
     guarded: GuardedRun | HostSyncError | None = None
@@ -615,7 +619,11 @@ def run_case(case: Case, env: Environment) -> CaseRun:
     final = warmup if last == 0 else steady  # a one-step run's final step is its warmup
     disabled: list[TransferCounts] = []
     disabled_seen: list[Observed] = []
-    with _closing(Windowed(env.offloader(config))) as offloader, _timed(seconds, "disabled"):
+    with (
+        _closing(Windowed(env.offloader(config))) as offloader,
+        _timed(seconds, "disabled"),
+        globalstate.guarded("during the disabled run", rng=False),
+    ):
         offloader.set_enabled(False)
         train(
             spec,

@@ -16,6 +16,7 @@ import os
 import signal
 
 PRELOAD = (
+    "harness.forkserver_guard",
     "torch",
     "torch._dynamo",
     "harness.session",
@@ -25,11 +26,17 @@ PRELOAD = (
 """What the forkserver imports before it forks any worker: what every case needs; TorchDynamo,
 which ``torch.optim`` imports at its first step (1.1 s on the 2-core CPU machine, 6.4 s on the
 H200 box, whose torch has no bytecode cache); and FSDP2 (1.3 s on the CPU machine, needed by the
-ZeRO-3 rows). None of them starts a thread, so forking after them is safe."""
+ZeRO-3 rows). None of them starts a thread, so forking after them is safe. The guard comes
+first: the server dies with the process that started it, even one killed with SIGKILL."""
+
+OWNER_VARIABLE = "OFFLOAD_HARNESS_FORKSERVER_OWNER"
+"""The pid of the process that starts the forkserver, set by ``context``: the server's guard
+(``harness.forkserver_guard``) arms itself only under that parent."""
 
 
 def context() -> multiprocessing.context.BaseContext:
     """The forkserver context, its preload set (a no-op once the server runs)."""
+    os.environ[OWNER_VARIABLE] = str(os.getpid())
     forkserver = multiprocessing.get_context("forkserver")
     forkserver.set_forkserver_preload(list(PRELOAD))
     return forkserver

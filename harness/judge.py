@@ -29,13 +29,14 @@ golden         the plain baseline equals this machine's golden trace (``harness.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness import fingerprint, golden
+from harness import fingerprint, golden, progress
 from harness.cases import Case
 from harness.checks import (
     checksum_coverage,
@@ -50,6 +51,7 @@ from harness.checks import (
     weight_problems,
 )
 from harness.execute import CaseRun, Environment, MemoryResult, run_case
+from harness.globalstate import GlobalStateChanged
 from harness.impls import IMPLS
 from harness.learn import OBSERVED_LABEL
 from harness.report import case_record, memory_record
@@ -91,7 +93,34 @@ def raised(exc: Exception) -> str:
     race = describe(exc)
     if race is not None:
         return race
-    return f"the case's runs raised {type(exc).__name__}: {exc}"
+    if isinstance(exc, GlobalStateChanged):  # its message names the setting, before and after
+        return str(exc)
+    position = progress.where(exc)
+    at = f" (raised in the offloader's calls at {position})" if position else ""
+    return f"the case's runs raised {type(exc).__name__}: {exc}{at}"
+
+
+_REPORTED = "offload_reported_by"
+
+
+def reported_by(exc: Exception) -> str | None:
+    """The check that already reported ``exc`` (a run's exception reaches every check that
+    reads the run; the first carries it, ``mark_reported``), None if none did."""
+    return getattr(exc, _REPORTED, None)
+
+
+def mark_reported(exc: Exception, check_name: str) -> None:
+    """Check ``check_name`` reports ``exc``; later readers of the run point to it."""
+    with contextlib.suppress(AttributeError):
+        setattr(exc, _REPORTED, check_name)
+
+
+def raised_again(name: str, earlier: str) -> CheckOutcome:
+    """The outcome of check ``name`` whose runs raised what check ``earlier`` reported: a skip
+    pointing to it (the case's verdict is ``earlier``'s failure; the error is said once)."""
+    return CheckOutcome(
+        name=name, status="skip", reason=f"the case's runs raised: see the {earlier} check"
+    )
 
 
 def _from_problems(name: str, problems: Iterable[str], **record: Any) -> CheckOutcome:
@@ -410,15 +439,21 @@ def judge(
     stop_at_first_failure: bool = False,
     update_golden: bool = False,
 ) -> Judgement:
-    """Run the checks on one case. A check whose runs raise fails with the exception (as its
-    pytest case would); every check that reads the same run fails alike."""
+    """Run the checks on one case. The first check whose runs raise fails with the exception
+    (as its pytest case would), where in the offloader's calls it was raised included; every
+    later check that reads the same run is a skip pointing to it: the error is said once."""
     runs = CaseRuns(case, env, update_golden=update_golden)
     outcomes = []
     for name in checks:
         try:
             outcome = check(name, runs)
         except Exception as exc:
-            outcome = CheckOutcome(name=name, status="fail", problems=(raised(exc),))
+            earlier = reported_by(exc)
+            if earlier is None:
+                mark_reported(exc, name)
+                outcome = CheckOutcome(name=name, status="fail", problems=(raised(exc),))
+            else:
+                outcome = raised_again(name, earlier)
         outcomes.append(outcome)
         if stop_at_first_failure and outcome.status == "fail":
             break

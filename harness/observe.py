@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness import progress
 from harness.offload.protocol import (
     Group,
     IterationLog,
@@ -111,9 +112,31 @@ class _WindowState:
         a framework keeps them in one buffer, e.g. megatron-core's DDP), with its byte range
         (``Windowed.note_model``): a D2H from one of them is a weight offloaded."""
 
+        self.step = 0
+        """The training step running now (``Windowed.end_iteration`` counts them)."""
+        self.evaluating = False
+        """Whether the microbatches running now are the forward-only evaluation pass."""
+
     def current(self) -> GroupKey | None:
         with self.lock:
             return self.open[-1] if self.open else None
+
+    def position(self, phase: str, call: str, key: GroupKey | None = None) -> str:
+        """``step S, microbatch M, layer L, group G, phase P (call C)`` for messages."""
+        step = "the evaluation pass" if self.evaluating else f"step {self.step}"
+        parts = [step]
+        if key is not None:
+            mb, layer, name = key
+            parts += [label_pass(mb, self.chunks), f"layer {layer}", f"group {name}"]
+        else:
+            parts.append(label_pass(self.microbatch, self.chunks))
+        return f"{', '.join(parts)}, phase {phase} ({call})"
+
+    def locate(
+        self, exc: BaseException, phase: str, call: str, key: GroupKey | None = None
+    ) -> None:
+        """Name where ``exc`` was raised inside the offloader's calls (``harness.progress``)."""
+        progress.located(exc, self.position(phase, call, key))
 
 
 def checksum(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -205,6 +228,19 @@ class _Written:
         self.ref, self.group, self.step = weakref.ref(storage), group, step
 
 
+def _locating(unpack: Any, state: _WindowState, key: GroupKey) -> Any:
+    """``unpack`` naming the step, microbatch, layer and group of what raises in it."""
+
+    def unpacked(item: Any) -> Any:
+        try:
+            return unpack(item)
+        except Exception as exc:
+            state.locate(exc, "backward", "unpack hook", key)
+            raise
+
+    return unpacked
+
+
 def _summing(unpack: Any, state: _WindowState) -> Any:
     """``unpack`` behind the harness's wrapper: each unpack of a tensor packed through the
     swapped pack hook is counted (``Observed.unpacked``), and with checksums its value summed."""
@@ -243,7 +279,11 @@ class _WindowGroup:
     def __enter__(self) -> _WindowGroup:
         hooks = torch._C._autograd
         below = hooks._top_saved_tensors_default_hooks(False)
-        self.inner.__enter__()
+        try:
+            self.inner.__enter__()
+        except Exception as exc:
+            self.state.locate(exc, "forward", "group enter", self.key)
+            raise
         if self.state.observer is None:
             return self
         pushed = hooks._top_saved_tensors_default_hooks(False)
@@ -253,6 +293,7 @@ class _WindowGroup:
             # pair, so the stack stays balanced), and the unpack hook for one that counts each
             # unpack (``_summing``; with checksums, sums what it returns).
             pack, unpack = pushed
+            unpack = _locating(unpack, self.state, self.key)
             hooks._pop_saved_tensors_default_hooks()
             hooks._push_saved_tensors_default_hooks(
                 self._noting(pack), _summing(unpack, self.state)
@@ -276,6 +317,9 @@ class _WindowGroup:
             previous, state.packing = state.packing, key
             try:
                 packed = pack(tensor)
+            except Exception as exc:
+                state.locate(exc, "forward", "pack hook", key)
+                raise
             finally:
                 state.packing = previous
             return _Summed(packed, record, key)
@@ -288,13 +332,20 @@ class _WindowGroup:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.inner.__exit__(exc_type, exc, tb)
+        try:
+            self.inner.__exit__(exc_type, exc, tb)
+        except Exception as raised:
+            self.state.locate(raised, "forward", "group exit", self.key)
+            raise
         if exc_type is not None:
             self.close()
 
     def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
         try:
             return self.inner.commit(output, release)
+        except Exception as exc:
+            self.state.locate(exc, "commit", "commit", self.key)
+            raise
         finally:
             self.close()
 
@@ -316,8 +367,27 @@ class Windowed(Wrapper):
         self.state.checksums = checksums
 
     def begin_microbatch(self, microbatch: int) -> None:
-        self.state.microbatch = microbatch
-        self.inner.begin_microbatch(microbatch)
+        state = self.state
+        state.microbatch = microbatch
+        state.evaluating = not torch.is_grad_enabled()
+        progress.at(state.position("forward", "begin_microbatch"))
+        try:
+            self.inner.begin_microbatch(microbatch)
+        except Exception as exc:
+            state.locate(exc, "forward", "begin_microbatch")
+            raise
+
+    def end_iteration(self) -> None:
+        state = self.state
+        try:
+            self.inner.end_iteration()
+        except Exception as exc:
+            state.locate(exc, "end of step", "end_iteration")
+            raise
+        finally:
+            if not state.evaluating:
+                state.step += 1
+            state.evaluating = False
 
     def model_chunk(self, chunk: int, chunks: int) -> None:
         self.state.chunks = chunks
@@ -343,9 +413,10 @@ class Windowed(Wrapper):
         key = self.window_started(layer, name)
         try:
             inner = self.inner.group(name, x, layer=layer)
-        except BaseException:
+        except BaseException as exc:
             with self.state.lock:
                 self.state.open.remove(key)
+            self.state.locate(exc, "forward", "group", key)
             raise
         return _WindowGroup(inner, self.state, key)
 
@@ -596,8 +667,15 @@ class CopyObserver(TorchDispatchMode):
         self.lock = threading.Lock()
 
     def _saved_group(self, tensor: torch.Tensor) -> GroupKey | None:
-        entry = self.saved.get(_storage(tensor))
-        return entry[0] if entry is not None and entry[1]() is not None else None
+        """The group that saved ``tensor``'s storage while the tensor it noted still owns that
+        memory: an offloader may keep the tensor object alive after a forced release freed its
+        storage, and FSDP2's later copies at the reused address are not the group's."""
+        address = _storage(tensor)
+        entry = self.saved.get(address)
+        if entry is None:
+            return None
+        noted = entry[1]()
+        return entry[0] if _owns(None if noted is None else local_tensor(noted), address) else None
 
     def mark(self, tensors: Sequence[torch.Tensor]) -> None:
         with self.lock:

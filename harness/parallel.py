@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from harness import forkserver, sanitizer
+from harness import forkserver, lifeline, sanitizer
 from harness.settings import usable_cores
 
 
@@ -47,11 +47,13 @@ class Inherited:
     cores: frozenset[int] | None = None
     """The parent's CPU affinity (None where the platform has none): a server started before
     the parent was confined (``taskset``, a test's share) would fork workers with its own."""
+    owner: int | None = None
+    """The pool's owner (the run's main process): the worker dies with it (``lifeline``)."""
 
     @classmethod
     def now(cls) -> Inherited:
         cores = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        return cls(dict(os.environ), os.getcwd(), list(sys.path), cores)
+        return cls(dict(os.environ), os.getcwd(), list(sys.path), cores, os.getpid())
 
     def adopt(self) -> None:
         """Make this process's environment, directory, import path and CPU affinity the
@@ -73,13 +75,19 @@ def use_share(
     jobs: int, device: torch.device | None = None, inherited: Inherited | None = None
 ) -> None:
     """Make this process one of ``jobs`` workers (the parent's environment; threads; the CUDA
-    device as current one). A worker ignores SIGINT: Ctrl-C reaches the whole process group,
-    and the parent, not each worker, decides to stop (``kill_pool``) - a worker that took it
-    would go on to its next queued call."""
+    device as current one). A worker ignores SIGINT, SIGTERM and SIGHUP: Ctrl-C (or a
+    terminal's hangup, a runner's stop) reaches the whole process group, and the parent, not
+    each worker, decides to stop (``kill_pool``) - a worker that took it would go on to its next
+    queued call, or die as a crash the parent would retry. It dies with its forkserver and with
+    the pool's owner, however they end (``harness.lifeline``)."""
     if inherited is not None:
         inherited.adopt()
     if multiprocessing.parent_process() is not None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
+        lifeline.die_with_parent(os.getppid())
+        if inherited is not None and inherited.owner is not None:
+            lifeline.die_with(inherited.owner)
     torch.set_num_threads(threads_per_worker(jobs))
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
@@ -98,7 +106,9 @@ def worker_pool(jobs: int, device: torch.device | None = None) -> ProcessPoolExe
 
 def kill_pool(pool: ProcessPoolExecutor) -> None:
     """Stop a pool now: queued calls cancelled, every worker killed (SIGKILL), no waiting for
-    running calls."""
+    running calls. Also how a pool ends once every call has reported: a worker that a call
+    left a non-daemon thread in would never exit by itself (its interpreter joins the thread),
+    and ``shutdown(wait=True)`` would wait for it forever."""
     workers = list((getattr(pool, "_processes", None) or {}).values())
     pool.shutdown(wait=False, cancel_futures=True)
     for process in workers:
@@ -121,19 +131,15 @@ def run_all(
         for index, call in enumerate(calls):
             yield index, fn(*call)
         return
-    with worker_pool(jobs, device) as pool:
-        futures: dict[Future[Any], int] = {
-            pool.submit(fn, *call): index for index, call in enumerate(calls)
-        }
-        try:
-            for future in as_completed(futures):
-                yield futures[future], future.result()
-        except KeyboardInterrupt:
-            kill_pool(pool)
-            raise
-        finally:
-            for future in futures:
-                future.cancel()
+    pool = worker_pool(jobs, device)
+    futures: dict[Future[Any], int] = {
+        pool.submit(fn, *call): index for index, call in enumerate(calls)
+    }
+    try:
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+    finally:  # the workers have reported: whatever a call left running in one ends with it
+        kill_pool(pool)
 
 
 def run_ordered(

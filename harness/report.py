@@ -40,12 +40,19 @@ HARNESS_VERSION = _version()
 PACKAGE_DIR = Path(harness.__file__).resolve().parent
 """The harness package's folder: its git checkout (if any) is the commit a report records."""
 
-STATUSES = ("complete", "running", "interrupted", "timed-out", "aborted")
+STATUSES = ("complete", "running", "interrupted", "terminated", "timed-out", "aborted")
 """``summary.json``'s ``status``: the run ended by itself (``complete``, the default), it is
 still going and the file is rewritten as cases finish (``running``; also what a run killed
-from outside leaves), Ctrl-C or a signal stopped it (``interrupted``), a case outlived its
+with SIGKILL leaves), Ctrl-C stopped it (``interrupted``), SIGTERM or SIGHUP stopped it
+(``terminated``), a case outlived its
 timeout and could not be unwound (``timed-out``), another rank of a torchrun job died or the
 process group broke (``aborted``)."""
+
+
+REPORT_INCOMPLETE = 6
+"""The exit code of a run or pytest session whose report folder could not be written
+completely (disk full, folder removed, permissions changed mid-run): distinct from pytest's
+own 0-5 and from 128 + a signal. The console output holds every verdict."""
 
 
 class ReportDirError(ValueError):

@@ -104,7 +104,11 @@ def test_a_dying_worker_is_retried_once_then_an_error(faulty: Path) -> None:
     done, _ = _run(faulty, *SMALL, "--backend", "faulty:Die", "--report-dir", "r")
     assert done.returncode == 1, done.stdout + done.stderr
     (case,) = _summary(faulty / "r")["cases"]
-    assert case["problems"] == ["error: worker process died twice while running the case"]
+    assert case["problems"] == [
+        "error: worker process died twice while running the case: exit status 9; last "
+        "position reported: case hybrid-+-_core_attn_sequential_fp32_2x1, step 0, "
+        "microbatch 0, phase forward (begin_microbatch)"
+    ]
 
 
 def test_an_exception_outside_the_checks_is_an_error_record(

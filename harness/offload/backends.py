@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from harness import globalstate
 from harness.offload.broken import BROKEN, LONG_DELAY
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
@@ -236,10 +237,12 @@ def _child_probe(spec: str, device: str) -> None:
 
 
 def _call_factory(spec: str, device: torch.device) -> None:
-    """The probe itself, in this process."""
+    """The probe itself, in this process (whatever process-global torch state the backend
+    changes when built is undone: its cases' runs judge that, ``harness.globalstate``)."""
     factory = resolve_backend(spec)
     try:
-        offloader = factory(PROBE_CONFIG, device)
+        with globalstate.restoring():
+            offloader = factory(PROBE_CONFIG, device)
     except Exception as exc:
         raise ValueError(f"backend {spec!r}: the factory raised {exception_line(exc)}") from None
     if offloader is None:
