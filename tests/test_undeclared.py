@@ -214,3 +214,17 @@ def test_the_reference_with_its_declaration_hidden_is_learned_to_follow_megatron
     expected = {k: (e.copies, e.bytes) for k, e in declared.expected.items()}
     assert {k: (e.copies, e.bytes) for k, e in hidden.expected.items()} == expected
     assert "Megatron's warmup and steady-state policies" in hidden.rule.line
+
+
+def test_with_declarations_hidden_a_broken_reference_is_caught_as_following_no_rule() -> None:
+    """``mutation-score --undeclared``: ``broken.fraction_count`` keeps the wrong number of
+    groups under the fraction policy. With its declaration hidden no rule of the family (Megatron's
+    policies with the row's parameters among them) fits its steps 0 and 1, and that counts as the
+    transfer check's catch."""
+    from harness.tools.mutation_score import score_one
+
+    outcome = score_one("broken.fraction_count", "cpu", "tiny", "none", 1, undeclared=True)
+    assert outcome.caught and outcome.check == "transfers", outcome
+    assert outcome.problem.startswith("no single rule explains its copies in steps 0 and 1"), (
+        outcome.problem
+    )
