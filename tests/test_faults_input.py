@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from harness import cli, settings
+from harness import cli, globalstate, settings
 from harness.cases import Case
 from harness.models.hybrid import make_batches
 from harness.offload import backends
@@ -313,6 +313,8 @@ def test_on_cuda_the_probe_runs_in_a_child_until_cuda_is_initialised(
         settings.resolve_backend(spec, cuda)
     assert (str(info.value), children) == (message, [(spec, cuda)])
     _fake_cuda(monkeypatch, initialized=True)  # initialised already: probed here
+    # (the global-state guard around the factory would read the fake GPU's stream and RNG)
+    monkeypatch.setattr(globalstate, "_cuda", lambda: False)
     with pytest.raises(ValueError, match="returned None, not an Offloader"):
         backends.probe_backend(spec, cuda)
     assert len(children) == 1

@@ -237,6 +237,7 @@ def test_judge_gives_the_hint_its_environment(monkeypatch: pytest.MonkeyPatch) -
     seen: list[Any] = []
     monkeypatch.setattr(judge, "equivalence_problems", lambda *args: seen.append(args) or [])
     monkeypatch.setattr(judge, "case_record", lambda res: {})
+    monkeypatch.setattr(judge, "checksum_coverage", lambda res: {"compared": 1})
     env = Environment(device=torch.device("cpu"), backend="reference", model_size="tiny")
     runs = judge.CaseRuns(default_matrix()[0], env)
     monkeypatch.setattr(runs, "case_run", lambda: "the case run")
