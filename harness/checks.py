@@ -21,7 +21,8 @@ import torch
 from harness.cases import Case
 from harness.compare import first_divergence, loss_table
 from harness.execute import CaseRun, Environment, MemoryResult, attribution_mismatches, total
-from harness.predict import GroupKey, predict
+from harness.offload.semantics import GroupKey
+from harness.predict import predict
 from harness.repro import case_command
 from harness.spec import ModelSpec, pass_label
 from harness.train import schedule_order

@@ -33,7 +33,7 @@ from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Capabilities, IterationLog, declare
 from harness.offload.reference import OffloadContext, RaceDelays
-from harness.predict import MEGATRON_MAIN
+from harness.offload.semantics import MEGATRON_MAIN
 from harness.spec import RunSpec, preset
 from harness.train import TrainResult, train
 
