@@ -8,7 +8,7 @@ import contextlib
 import torch
 
 from harness.offload.protocol import Capabilities
-from harness.predict import Semantics
+from harness.offload.semantics import Semantics
 
 
 class Group:

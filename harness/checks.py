@@ -19,10 +19,11 @@ from typing import Any
 import torch
 
 from harness.cases import Case
+from harness.commands import case_command
 from harness.compare import first_divergence, loss_table
 from harness.execute import CaseRun, Environment, MemoryResult, attribution_mismatches, total
-from harness.predict import GroupKey, predict
-from harness.repro import case_command
+from harness.offload.semantics import GroupKey
+from harness.predict import predict
 from harness.spec import ModelSpec, pass_label
 from harness.train import schedule_order
 from harness.transfers import Counts
@@ -31,7 +32,7 @@ from harness.transfers import Counts
 def repro_hint(case: Case, env: Environment) -> str:
     """``reproduce: <command>``: the fully explicit, shell-quoted ``offload-harness repro`` line
     that reruns ``case`` as it ran in ``env`` (row id, overridden fields, seed, backend, device,
-    model size; ``harness.repro.case_command``, the builder of ``command.txt`` too)."""
+    model size; ``harness.commands.case_command``, the builder of ``command.txt`` too)."""
     return f"reproduce: {shlex.join(case_command(case, env, bisect=True))}"
 
 

@@ -41,11 +41,9 @@ from harness.offload.layout import LayoutBaseline
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import GroupRecord, Offloader, plan_of
 from harness.offload.recorder import GroupObservation, RecordingOffloader
+from harness.offload.semantics import MEGATRON_MAIN, GroupKey, Semantics
 from harness.predict import (
-    MEGATRON_MAIN,
     Expected,
-    GroupKey,
-    Semantics,
     freed_storages,
     in_flight_after_forward,
     predict,

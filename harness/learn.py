@@ -54,7 +54,8 @@ from dataclasses import dataclass
 
 from harness.offload.config import OffloadConfig
 from harness.offload.recorder import GroupObservation
-from harness.predict import Expected, GroupKey, Semantics, group_copies, kept_decisions
+from harness.offload.semantics import GroupKey, Semantics
+from harness.predict import Expected, group_copies, kept_decisions
 
 LEARNING_STEPS = (0, 1)
 """The steps a rule is learned from: the warmup and the first steady step."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from harness import detection
 from harness.cases import default_matrix
 from harness.models.hybrid import build_model, make_batches
 from harness.offload import broken
@@ -33,7 +34,7 @@ from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Capabilities, IterationLog, declare
 from harness.offload.reference import OffloadContext, RaceDelays
-from harness.predict import MEGATRON_MAIN
+from harness.offload.semantics import MEGATRON_MAIN
 from harness.spec import RunSpec, preset
 from harness.train import TrainResult, train
 
@@ -83,21 +84,23 @@ def _moved(log: IterationLog) -> dict[tuple[int, int, str], int]:
 
 
 def test_catalogue_is_registered_and_consistent() -> None:
-    names = [entry.name for entry in broken.CATALOGUE]
+    names = [entry.name for entry in detection.CATALOGUE]
     assert len(names) >= 12 and len(set(names)) == len(names)
+    # every broken offloader has its catalogue entry, in the same order
+    assert names == [record.name for record in broken.OFFLOADERS] == list(broken.BROKEN)
     default_ids = {case.name for case in default_matrix()}
-    for entry in broken.CATALOGUE:
+    for entry in detection.CATALOGUE:
         assert entry.name.startswith("broken.") and entry.name in backend_names()
         assert resolve_backend(entry.name) is entry.factory
         assert describe(entry.name).startswith("broken: ")
         assert entry.factory.__doc__ and entry.bug_class and entry.reference
         assert entry.catchers or entry.needs, f"{entry.name}: no catcher and no stated need"
         for check, case in entry.catchers:
-            assert check in broken.CHECKS, (entry.name, check)
+            assert check in detection.CHECKS, (entry.name, check)
             assert case.name in default_ids, f"{entry.name}: {case.name} is not a default case"
-    assert broken.entry("broken.noop").factory is broken.NoOp
+    assert detection.entry("broken.noop").factory is broken.NoOp
     with pytest.raises(ValueError, match="unknown broken backend"):
-        broken.entry("broken.nothing")
+        detection.entry("broken.nothing")
 
 
 def test_race_delay_spellings() -> None:
@@ -147,7 +150,7 @@ def test_capability_records() -> None:
     assert reference is OffloadContext.capabilities and reference.race_delays
     assert reference.semantics is MEGATRON_MAIN and reference.unavailable is None
     assert not capabilities("none").race_delays and not capabilities("hooks").race_delays
-    for entry in broken.CATALOGUE:  # the reference's record with the catalogue's description
+    for entry in broken.OFFLOADERS:  # the reference's record with the catalogue's description
         record = capabilities(entry.name)
         assert record == Capabilities(
             description=describe(entry.name), semantics=MEGATRON_MAIN, race_delays=True
@@ -325,8 +328,8 @@ def test_middle_step_bugs_are_seen_only_by_the_every_step_checks(
 ) -> None:
     """The final step and the warmup are right, so the final-step counts, the final-step log
     and the offload proof see nothing; only the checks of every step name the step."""
+    from harness.detection import SEED
     from harness.execute import Environment, run_case
-    from harness.offload.broken import SEED
 
     res = run_case(SEED, Environment(device=torch.device("cpu"), backend=backend))
     assert res.mismatches() == [] and res.log_mismatches() == [] and not res.proof_problems

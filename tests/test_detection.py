@@ -1,6 +1,7 @@
 """Detection power: the correct offloader passes every catcher case of the catalogue, and every
-broken offloader of the catalogue (``harness.offload.broken``) fails one of its own catcher
-cases with a message naming the step, the microbatch and the group.
+broken offloader of the catalogue (``harness.offload.broken``, its catchers in
+``harness.detection``) fails one of its own catcher cases with a message naming the step, the
+microbatch and the group.
 
 In process, through the judge. The catalogue's cases run in this process through
 ``harness.judge.judge``: the one judge that decides every check for pytest's case files
@@ -56,10 +57,11 @@ import warm
 from child_pytest import CHILD_OPTIONS
 
 from harness.cases import Case
+from harness.detection import CATALOGUE, BrokenBackend, entry
 from harness.execute import Environment, sharing_key
 from harness.judge import CASE_TESTS, CHECKS, judge
 from harness.offload.backends import with_delays
-from harness.offload.broken import CATALOGUE, NO_DELAYS, BrokenBackend, entry
+from harness.offload.broken import NO_DELAYS
 from harness.offload.reference import RaceDelays
 from harness.parallel import threads_per_worker
 from harness.plugin.options import SETTINGS, Settings

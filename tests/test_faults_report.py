@@ -23,6 +23,7 @@ import harness.report as report
 from harness.cases import Case, default_matrix
 from harness.checks import repro_hint
 from harness.cli import _parser, _repro_spec
+from harness.commands import table_row
 from harness.execute import Environment
 from harness.report import (
     ReportDirError,
@@ -33,7 +34,6 @@ from harness.report import (
     summary_text,
     write_summary,
 )
-from harness.repro import table_row
 
 pytest_plugins = ["pytester"]
 

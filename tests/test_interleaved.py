@@ -194,7 +194,8 @@ def test_a_tensor_saved_twice_reloads_as_two_allocations() -> None:
     copies, so a reload of the group allocates it twice (what the memory case predicts for a
     group reloaded ahead of its backward)."""
     from harness.offload.recorder import RecordingOffloader
-    from harness.predict import eligible, reload_sizes
+    from harness.offload.semantics import eligible
+    from harness.predict import reload_sizes
 
     case = PIPELINE_ROWS[2]
     config = case.offload_config()

@@ -11,7 +11,7 @@ import torch
 from harness.offload.backends import backend_names, capabilities, resolve_backend
 from harness.offload.config import OffloadConfig
 from harness.offload.mcore import McoreOffloader, provide_te_flag, unavailable_reason
-from harness.predict import MEGATRON_MAIN
+from harness.offload.semantics import MEGATRON_MAIN
 
 CONFIG = OffloadConfig(offload_modules=("core_attn", "attn_proj"), min_offloaded_tensor_size=1024)
 

@@ -17,19 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import fingerprint, golden
+from harness import detection, fingerprint, golden
 from harness.cases import SEED_CASE
 from harness.execute import Environment
 from harness.judge import CheckOutcome, Judgement, judge
-from harness.offload import broken
 from harness.tools import mutation_score
 
 CPU = torch.device("cpu")
-CORRUPT = broken.entry("broken.corrupt_reload")
+CORRUPT = detection.entry("broken.corrupt_reload")
 
 
 def test_every_catcher_names_its_reason_and_golden_is_never_judged() -> None:
-    for item in broken.CATALOGUE:
+    for item in detection.CATALOGUE:
         checks = mutation_score.named_checks(item)
         assert "golden" not in checks
         assert set(checks) == {check for check, _ in item.catchers}, item.name
@@ -68,7 +67,7 @@ def test_a_failure_for_another_reason_is_no_catch(monkeypatch: pytest.MonkeyPatc
 
 
 def test_matching_line_with_the_line_it_heads() -> None:
-    fraction = broken.entry("broken.fraction_count")
+    fraction = detection.entry("broken.fraction_count")
     problems = (
         "counted (offloader ranges) vs prediction in step 5 (the final step):",
         "step 5, microbatch 0, layer 2, group attn_proj: predicted {...} measured {...}",

@@ -17,13 +17,8 @@ import torch
 
 from harness.offload.config import OffloadConfig
 from harness.offload.recorder import GroupObservation, SavedInfo
-from harness.predict import (
-    MEGATRON_MAIN,
-    Semantics,
-    copy_bytes,
-    predict,
-    skip_reason,
-)
+from harness.offload.semantics import MEGATRON_MAIN, Semantics, copy_bytes, skip_reason
+from harness.predict import predict
 
 GATHER = Semantics(view_copy="gather")
 A, B = "core_attn", "attn_proj"  # two selected names (any two the config knows)

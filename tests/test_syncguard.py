@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from harness import execute, syncguard
+from harness.detection import SEED
 from harness.execute import Environment, run_case
 from harness.judge import CaseRuns
-from harness.offload.broken import SEED
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Offloader

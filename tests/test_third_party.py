@@ -533,8 +533,8 @@ def test_checksums_change_nothing_the_run_computes() -> None:
 
 
 def test_a_corrupt_reload_is_named_by_its_checksum_in_the_first_run() -> None:
+    from harness.detection import SEED
     from harness.execute import run_case
-    from harness.offload.broken import SEED
 
     res = run_case(SEED, Environment(device=CPU, backend="broken.corrupt_reload"))
     assert res.corrupted, "the flipped bit changes the reloaded tensor's checksum"
@@ -548,7 +548,7 @@ def test_a_corrupt_reload_is_named_by_its_checksum_in_the_first_run() -> None:
 
 
 def test_the_weights_check_names_a_parameter_copied_out() -> None:
-    from harness.offload.broken import SEED
+    from harness.detection import SEED
 
     judgement = judge(SEED, Environment(device=CPU, backend="broken.offloads_weights"))
     outcome = next(o for o in judgement.outcomes if o.name == "weights")
@@ -562,7 +562,7 @@ def test_the_weights_check_names_a_parameter_copied_out() -> None:
 
 
 def test_the_weights_check_passes_the_reference_and_proves_it_watched() -> None:
-    from harness.offload.broken import SEED
+    from harness.detection import SEED
 
     judgement = judge(SEED, Environment(device=CPU, backend="reference"), checks=("weights",))
     (outcome,) = judgement.outcomes

@@ -26,7 +26,7 @@ import torch
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import PassThroughGroup, apply_to_first
 from harness.offload.protocol import Capabilities, IterationLog, Output
-from harness.predict import Semantics
+from harness.offload.semantics import Semantics
 
 SAVE_ON_CPU = Semantics(
     view_copy="gather",

@@ -34,7 +34,7 @@ from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Capabilities, Offloader
 from harness.offload.recorder import RecordingOffloader
 from harness.offload.reference import OffloadContext, RaceDelays
-from harness.predict import Semantics
+from harness.offload.semantics import Semantics
 
 Factory = Callable[[OffloadConfig, torch.device], Offloader]
 

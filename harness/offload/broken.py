@@ -8,25 +8,23 @@ synchronously, so a stream race cannot happen by itself; where the class allows,
 stand-in shows the same effect: a copy that is *deferred* until something waits for it plays a
 copy still in flight.
 
-``CATALOGUE`` lists every broken backend with its bug class, the real-world report it
-reproduces (a public bug report or a peer test's blind spot), whether CPU can show it, and the
-default-matrix cases and checks that catch it (catchers first, in the order to try them).
-``scripts/mutation_score`` and ``tests/test_detection.py`` read it.
+``OFFLOADERS`` lists every broken backend with its bug class, the real-world report it
+reproduces (a public bug report or a peer test's blind spot), whether CPU can show it, and its
+CUDA race delays. The default-matrix cases and checks that catch each are the verify side's
+(``harness.detection.CATALOGUE``), which ``scripts/mutation_score`` and
+``tests/test_detection.py`` read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from harness.cases import Case
 from harness.offload.config import OffloadConfig
 from harness.offload.policy import apply_delta, apply_margin, fraction_disabled_count, summarize
 from harness.offload.pool import HostBufferPool
@@ -45,18 +43,6 @@ LONG_DELAY = 20_000_000
 """Sleep cycles per group (about 10 ms on an H200): far longer than any copy of a test model."""
 
 NO_DELAYS = RaceDelays()
-
-CHECKS = (
-    "equivalence",
-    "leaks",
-    "transfers",
-    "disabled",
-    "fidelity",
-    "weights",
-    "memory",
-    "sync",
-)
-"""Check names (``harness.checks``) a catalogue entry can name as its catcher."""
 
 
 class _ZeroedPool(HostBufferPool):
@@ -658,8 +644,9 @@ class LyingLog(OffloadContext):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class BrokenBackend:
-    """One catalogue entry."""
+class BrokenOffloader:
+    """One broken offloader: its class and what the backend resolver and a report say of it. Which
+    cases and checks catch it is the verify side's (``harness.detection``)."""
 
     factory: type[OffloadContext]
     bug_class: str
@@ -668,14 +655,6 @@ class BrokenBackend:
     """The real-world report(s) it reproduces."""
     cpu: bool
     """Whether the class can show on CPU at all (False: CUDA only)."""
-    catchers: tuple[tuple[str, Case], ...] = ()
-    """(check, default-matrix row) pairs that catch it, in the order to try them."""
-    reasons: tuple[tuple[str, str], ...] = ()
-    """(check, regular expression) per catching check: a failure of that check is a catch only
-    when one of its problem lines matches, so a check failing for another reason (a drifted
-    baseline, a crash) is never counted as catching this bug class."""
-    needs: str = ""
-    """When the default matrix cannot show it: the row or run feature it needs."""
     cuda_delays: RaceDelays = NO_DELAYS
     """Race delays that widen its window on CUDA (``scripts/mutation_score --device cuda``)."""
 
@@ -687,256 +666,128 @@ class BrokenBackend:
     def description(self) -> str:
         return f"{self.bug_class} - {self.reference}"
 
-    def reason(self, check: str) -> re.Pattern[str]:
-        """The problem pattern a failure of ``check`` must match to count as this entry's catch
-        (``reasons``); an entry naming a catcher without a reason is a catalogue error."""
-        for name, pattern in self.reasons:
-            if name == check:
-                return re.compile(pattern)
-        raise KeyError(f"{self.name}: catcher {check!r} names no expected problem pattern")
 
-    def matching(self, check: str, problems: Iterable[str]) -> str | None:
-        """The first problem line of ``check``'s failure that shows this entry's bug class, with
-        the line it heads where it is a header (None: it failed for another reason)."""
-        pattern = self.reason(check)
-        lines = [line.strip() for p in problems for line in p.splitlines() if line.strip()]
-        for index, line in enumerate(lines):
-            if pattern.search(line):
-                # a header line ("...:") with the first line it heads, which names the group
-                follows = line.endswith(":") and index + 1 < len(lines)
-                return f"{line} {lines[index + 1]}" if follows else line
-        return None
-
-
-# The default-matrix rows the catalogue names, by their fields (a row's id is derived from them;
-# tests/test_broken.py checks that each is a row of the default matrix).
-SEED = Case(family="hybrid", offload=("core_attn", "attn_proj"), precision="bf16")
-ATTENTION_1F1B = Case(
-    family="hybrid",
-    offload=("attn_norm", "qkv_linear", "core_attn", "attn_proj"),
-    schedule="1f1b",
-    max_inflight=None,
-)
-MOE_ACT_1F1B = Case(family="moe", offload=("moe_act",), schedule="1f1b", max_inflight=0)
-MOE_ACT_SEQ = Case(family="hybrid-moe", offload=("moe_act",), precision="bf16", max_inflight=0)
-MOE_EVERYTHING = Case(
-    family="moe",
-    offload=("qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"),
-    precision="bf16",
-)
-EXPERTS_SEQ = Case(family="moe", offload=("expert_fc1", "moe_act"), max_inflight=None)
-ATTENTION_1F1B_3MB = Case(
-    family="hybrid",
-    offload=("core_attn", "attn_proj"),
-    schedule="1f1b",
-    precision="bf16",
-    microbatches=3,
-)
-EVAL_FIRST = Case(
-    family="hybrid", offload=("core_attn", "attn_proj"), precision="bf16", eval_first=True
-)
-INTERLEAVED = Case(
-    family="hybrid",
-    offload=("core_attn", "attn_proj"),
-    schedule="interleaved",
-    microbatches=4,
-    precision="bf16",
-)
-
-# What each bug class's catch reads like (``BrokenBackend.reasons``): the problem lines of
-# ``harness.checks`` that name that very fault, not any failure of the check.
-RELOADS = r"reloads differ from what was saved \(checksums at pack and unpack"
-NOT_OFFLOADED = r"the offload did not happen in step 0"
-PREDICTED = r"^counted \([a-z' ]+\) vs prediction in step \d+ \(the final step\):"
-EVERY_STEP = r"^counted \(harness windows\) vs prediction in the steps before the final one:"
-LOG_VS_COUNTED = r"^offloader log vs counted \(harness windows\) in the steps before the final"
-UNSELECTED = r"unselected groups moved: \['expert_fc1'\]"
-WEIGHT_D2H = r"D2H copies of weights \(\d+ B\) in steps"
-PAGEABLE = r"offload copies used pageable host memory"
-STRAY = r"DtoH/HtoD memcpys outside any offload group"
-HOST_SYNC = r"the offloader synchronised the host with the device"
-LEFT = r"saved tensors never unpacked|pool buffers not returned"
-WARMUP_FLAGS = r"^warmup flags per iteration \[True, False"
-
-CATALOGUE: tuple[BrokenBackend, ...] = (
-    BrokenBackend(
+OFFLOADERS: tuple[BrokenOffloader, ...] = (
+    BrokenOffloader(
         factory=ReloadBeforeD2H,
         bug_class="inline reload reads a host buffer before its D2H finished",
         reference="Megatron-LM #7398",
         cpu=True,
-        catchers=(("equivalence", SEED), ("equivalence", ATTENTION_1F1B)),
-        reasons=(("equivalence", RELOADS),),
         cuda_delays=RaceDelays(d2h=LONG_DELAY),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=SourceReuse,
         bug_class="source freed or reused before its D2H finished",
         reference="torchtune #1867",
         cpu=True,
-        catchers=(("equivalence", SEED), ("equivalence", ATTENTION_1F1B)),
-        reasons=(("equivalence", RELOADS),),
         cuda_delays=RaceDelays(d2h=LONG_DELAY),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=WrongMicrobatch,
         bug_class="tensor returned from the wrong microbatch (tags without chunk identity)",
         reference="Megatron-LM tensor_pop, bugs list #22, PR #6783",
         cpu=True,
-        catchers=(("equivalence", ATTENTION_1F1B), ("leaks", ATTENTION_1F1B)),
-        reasons=(
-            ("equivalence", RELOADS),
-            ("leaks", LEFT),
-        ),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=ChunkOrder,
         bug_class="backward served from the wrong model chunk (chunks assumed to run backward "
         "in forward order)",
         reference="Megatron-Core chunk handlers with virtual pipeline stages (issue 25)",
         cpu=True,
-        catchers=(("equivalence", INTERLEAVED),),
-        reasons=(("equivalence", RELOADS),),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=UnselectedGroups,
         bug_class="unselected groups moved (moe_act selected, fc1's input moved too)",
         reference="TE fused grouped MLP #3047/#3108, Megatron-LM #5082",
         cpu=True,
-        catchers=(("fidelity", MOE_ACT_1F1B), ("transfers", MOE_ACT_1F1B)),
-        reasons=(
-            ("fidelity", UNSELECTED),
-            ("transfers", PREDICTED),
-        ),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=NoOp,
         bug_class="nothing moved at all (offloading a silent no-op)",
         reference="Megatron-LM 92d5c1f4d1 (#4173), DeepSpeed #522",
         cpu=True,
-        catchers=(("equivalence", SEED), ("transfers", SEED)),
-        reasons=(
-            ("equivalence", NOT_OFFLOADED),
-            ("transfers", PREDICTED),
-        ),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=ViewDedup,
         bug_class="views deduplicated by storage ignoring layout (wrong view reloaded)",
         reference="ms-swift PR #10157",
         cpu=True,
-        catchers=(("equivalence", MOE_ACT_1F1B), ("equivalence", EXPERTS_SEQ)),
-        reasons=(("equivalence", RELOADS),),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=PoolEarlyReuse,
         bug_class="pooled host buffer reused while its H2D is pending",
         reference="Megatron pinned-pool hazard (bugs list #19), TE #2341",
         cpu=True,
-        catchers=(("equivalence", ATTENTION_1F1B_3MB),),
-        reasons=(("equivalence", RELOADS),),
         cuda_delays=RaceDelays(h2d=LONG_DELAY),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=FractionCount,
         bug_class="wrong group count from the fraction policy (keeps >= 1 group per chunk)",
         reference="bugs list #20 (float floor), Megatron-LM PR #7575",
         cpu=True,
-        catchers=(("transfers", SEED),),
-        reasons=(("transfers", PREDICTED),),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=ExtraRoundTrip,
         bug_class="an extra round trip per tensor (values right, only counts show it)",
         reference="STYLE rule 14; save_on_cpu double copies",
         cpu=True,
-        catchers=(("transfers", SEED),),
-        reasons=(("transfers", PREDICTED),),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=OffloadsWeights,
         bug_class="weights offloaded with the activations (parameter marks ignored)",
         reference="TE CPU offload before do-not-offload weight tags; megatron-core 0.19",
         cpu=True,
-        catchers=(("weights", SEED), ("transfers", SEED)),
-        reasons=(
-            ("weights", WEIGHT_D2H),
-            ("transfers", PREDICTED),
-        ),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=Pageable,
         bug_class="pageable host buffers",
         reference="Megatron/TE pin every host buffer",
         cpu=False,
-        catchers=(("transfers", SEED),),
-        reasons=(("transfers", PAGEABLE),),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=NoGradWarmup,
         bug_class="a no-grad pass taken as the warmup",
         reference="NeMo-RL PR #2279 review",
         cpu=True,
-        catchers=(("leaks", EVAL_FIRST),),
-        reasons=(("leaks", WARMUP_FLAGS),),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=StructureRemap,
         bug_class="group structure change between warmup and steady state mapped silently",
         reference="Megatron-LM a976754b40 (#3043), PR #6783",
         cpu=True,
-        catchers=(("transfers", ATTENTION_1F1B), ("transfers", MOE_EVERYTHING)),
-        reasons=(("transfers", PREDICTED),),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=HostSync,
         bug_class="host synchronisation per group in the commit path",
         reference="PyTorch CudaSyncGuard test; issue 9 sync guard",
         cpu=False,
-        catchers=(("sync", SEED), ("transfers", SEED)),
-        reasons=(
-            ("sync", HOST_SYNC),
-            ("transfers", STRAY),
-        ),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=MiddleStepSkip,
         bug_class="a group left on the device in one middle step (moves only on some steps)",
         reference="issue 23: bugs confined to the steps between the warmup and the final one",
         cpu=True,
-        catchers=(("transfers", SEED),),
-        reasons=(("transfers", EVERY_STEP),),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=LyingLog,
         bug_class="the offloader's log lies in one middle step",
         reference="issue 23: a log checked only in the final step",
         cpu=True,
-        catchers=(("transfers", SEED),),
-        reasons=(("transfers", LOG_VS_COUNTED),),
     ),
-    BrokenBackend(
+    BrokenOffloader(
         factory=CorruptReload,
         bug_class="transport corruption: one bit flipped on the way back",
         reference="STYLE rule 14",
         cpu=True,
-        catchers=(("equivalence", SEED),),
-        reasons=(("equivalence", RELOADS),),
     ),
 )
+"""Every broken offloader, in the catalogue's order (``harness.detection.CATALOGUE``)."""
 
-for _entry in CATALOGUE:  # each backend's record: the reference's, with its own description
-    _entry.factory.capabilities = dataclasses.replace(
-        OffloadContext.capabilities, description=f"broken: {_entry.description}"
+for _record in OFFLOADERS:  # each backend's record: the reference's, with its own description
+    _record.factory.capabilities = dataclasses.replace(
+        OffloadContext.capabilities, description=f"broken: {_record.description}"
     )
-del _entry
+del _record
 
-BROKEN: dict[str, type[OffloadContext]] = {entry.name: entry.factory for entry in CATALOGUE}
+BROKEN: dict[str, type[OffloadContext]] = {record.name: record.factory for record in OFFLOADERS}
 """Backend name -> factory of every broken offloader."""
-
-
-def entry(name: str) -> BrokenBackend:
-    """The catalogue entry of a broken backend name."""
-    for candidate in CATALOGUE:
-        if candidate.name == name:
-            return candidate
-    raise ValueError(f"unknown broken backend {name!r}; known: {', '.join(BROKEN)}")

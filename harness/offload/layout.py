@@ -10,9 +10,10 @@ the same copies the offloader makes - each saved tensor it would move becomes
 - and moves nothing. The offload run must equal it bitwise; how far it lies from the plain
 baseline is the layout change's effect, reported beside the verdict.
 
-Which tensors and occurrences it copies comes from the prediction (``harness.predict``): a
-tensor the declared skip rules leave on the device is left alone, and so is every tensor of an
-occurrence the declared policies keep.
+Which tensors and occurrences it copies comes from the declared rules
+(``harness.offload.semantics``, the prediction's rules too): a tensor the declared skip rules
+leave on the device is left alone, and so is every tensor of an occurrence the declared policies
+keep (the caller's ``moves``, from the prediction).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from harness.offload.config import OffloadConfig
 from harness.offload.protocol import Capabilities
 from harness.offload.recorder import RecordingOffloader, _Holder, _RecordingGroup
-from harness.predict import GroupKey, Semantics, skip_reason
+from harness.offload.semantics import GroupKey, Semantics, skip_reason
 
 Moves = Callable[[int, GroupKey], bool]
 """Whether the offloader moves group occurrence ``key`` in training step ``step``."""

@@ -52,7 +52,7 @@ from harness.offload.passthrough import PassThroughGroup
 from harness.offload.protocol import Capabilities, GroupRecord, IterationLog, Output, declare
 from harness.offload.ranges import profiler_range
 from harness.offload.reference import RaceDelays
-from harness.predict import Semantics
+from harness.offload.semantics import Semantics
 
 MODULE = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
 TE_EXTENSION = "megatron.core.extensions.transformer_engine"

@@ -181,8 +181,9 @@ class Capabilities:
     description: str = ""
     """One line for ``offload-harness backends``."""
     semantics: Any = None
-    """Its version-dependent copy rules for the prediction, a ``harness.predict.Semantics``
-    (typed Any: harness.predict depends on this module); None: Megatron-Core main's."""
+    """Its version-dependent copy rules for the prediction, a
+    ``harness.offload.semantics.Semantics`` (typed Any: that module depends on this one); None:
+    Megatron-Core main's."""
     race_delays: bool = False
     """It takes a ``delays=`` keyword (``harness.offload.reference.RaceDelays``), so
     ``<backend>+delays`` applies to it."""

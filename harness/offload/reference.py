@@ -62,7 +62,7 @@ from harness.offload.protocol import (
     local_tensor,
 )
 from harness.offload.ranges import Direction, profiler_range
-from harness.predict import MEGATRON_MAIN
+from harness.offload.semantics import MEGATRON_MAIN
 
 _MARK_CALLS_KEPT = 1024
 """Distinct ``mark_not_offloadable`` calls remembered (then forgotten at once: a model marking
