@@ -66,14 +66,8 @@ def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str
 
 
 def checksum_coverage(res: CaseRun) -> dict[str, int]:
-    """How many of the offload run's reloads were checksummed (pack against unpack): saved
-    tensors compared, saved tensors packed in the harness's windows, and D2H offload copies the
-    observer attributed to a group over every step (what moved)."""
-    return {
-        "compared": res.checksummed,
-        "packed": sum(sum(p.values()) for p in res.packed),
-        "offload_copies": sum(c.totals()["d2h"].copies for c in res.per_step),
-    }
+    """How many of the offload run's reloads were checksummed (``CaseRun.checksum_coverage``)."""
+    return res.checksum_coverage()
 
 
 def checksum_gap(coverage: dict[str, int]) -> str:

@@ -366,6 +366,16 @@ class CaseRun:
         the plain baseline."""
         return self.layout or self.plain
 
+    def checksum_coverage(self) -> dict[str, int]:
+        """How many of the offload run's reloads were checksummed (pack against unpack): saved
+        tensors compared, saved tensors packed in the harness's windows, and D2H offload copies
+        the observer attributed to a group over every step (what moved)."""
+        return {
+            "compared": self.checksummed,
+            "packed": sum(sum(p.values()) for p in self.packed),
+            "offload_copies": sum(c.totals()["d2h"].copies for c in self.per_step),
+        }
+
     @property
     def measured(self) -> dict[GroupKey, dict[str, int]]:
         return self.counts.by_group()

@@ -411,10 +411,8 @@ def rule_record(res: Any) -> dict[str, Any]:
 
 def _checksum_fields(res: Any) -> dict[str, int]:
     """Checksum coverage of the offload run: reloads compared, saved tensors packed in the
-    harness's windows, offload copies made (``harness.checks.checksum_coverage``)."""
-    from harness.checks import checksum_coverage  # checks imports this module's neighbours
-
-    return checksum_coverage(res)
+    harness's windows, offload copies made (``harness.execute.CaseRun.checksum_coverage``)."""
+    return res.checksum_coverage()
 
 
 def _transfer_fields(res: Any) -> dict[str, Any]:

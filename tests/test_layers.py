@@ -155,9 +155,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("harness.mcore_models", "harness.observe"): (
         "megatron's trainer hands its built model to the harness windows (isinstance Windowed)"
     ),
-    ("harness.report", "harness.checks"): (
-        "a case record's checksum coverage line is computed by the check (function-level)"
-    ),
     ("harness.html", "harness.settings"): (
         "index.html resolves the plots setting (PLOTS_VARIABLE, resolve_plots) where it renders"
     ),
