@@ -97,7 +97,7 @@ _IMPLS = (
         family="mcore",
         description="megatron-core's HybridModel with TransformerEngine layers, its one-stage "
         "schedule, DDP and distributed optimizer or Megatron-FSDP",
-        trainer="harness.mcore_models:train",
+        trainer="harness.models.mcore:train",
         schedules=("sequential",),
         shardings=("none", "mfsdp", "mfsdp2"),
         eval_first=False,
@@ -105,14 +105,14 @@ _IMPLS = (
         mtp=True,
         sync_guard=_MCORE_SYNC,
         default_backend="mcore",
-        availability="harness.mcore_models:unavailable_reason",
+        availability="harness.models.mcore:unavailable_reason",
     ),
     ModelImpl(
         name="mcore-gpt",
         family="mcore",
         description="megatron-core's GPTModel with TransformerEngine layers (each layer one "
         "attention and one MLP/MoE symbol of the pattern), trained as mcore",
-        trainer="harness.mcore_models:train",
+        trainer="harness.models.mcore:train",
         schedules=("sequential",),
         shardings=("none", "mfsdp", "mfsdp2"),
         eval_first=False,
@@ -120,7 +120,7 @@ _IMPLS = (
         knobs=True,
         sync_guard=_MCORE_SYNC,
         default_backend="mcore",
-        availability="harness.mcore_models:unavailable_reason",
+        availability="harness.models.mcore:unavailable_reason",
     ),
 )
 IMPLS: dict[str, ModelImpl] = {impl.name: impl for impl in _IMPLS}

@@ -1,5 +1,5 @@
 """What a training run takes besides its specs and what it produces: shared by the runner for
-our models (``harness.train``) and the one for megatron-core's (``harness.mcore_models``), so
+our models (``harness.train``) and the one for megatron-core's (``harness.models.mcore``), so
 neither imports the other for them."""
 
 from __future__ import annotations
