@@ -88,16 +88,31 @@ def transformer_config(
 ) -> Any:  # megatron.core.transformer.TransformerConfig
     """megatron-core's config for ``spec`` (``MLATransformerConfig`` when the pattern has
     ``+``), with fine-grained offloading on for ``offload`` (off for None)."""
-    import torch.nn.functional as F
-    from megatron.core.transformer.enums import AttnBackend
+    fields = _base_fields(spec, run)
     from megatron.core.transformer.transformer_config import (
         MLATransformerConfig,
         TransformerConfig,
     )
 
+    layers = spec.all_layers
+    if any(LAYERS[symbol].experts for symbol in layers):
+        fields.update(_moe_fields(spec))
+    if offload is not None:
+        fields.update(_offload_fields(offload))
+    make: Callable[..., Any] = TransformerConfig
+    if any(LAYERS[symbol].kind == "mla" for symbol in layers):
+        fields.update(_mla_fields(spec))
+        make = MLATransformerConfig
+    return _with_knobs(make, fields, spec)
+
+
+def _base_fields(spec: ModelSpec, run: RunSpec) -> dict[str, Any]:
+    """Sizes, dtypes, the layers' shape and the unfused deterministic attention of ``spec``."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.enums import AttnBackend
+
     bf16 = run.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
-    layers = spec.all_layers
     gpt = gpt_layers(spec.layers) if IMPLS[spec.impl].gpt_layers else None
     fields: dict[str, Any] = dict(
         num_layers=len(gpt) if gpt is not None else len(spec.layers),
@@ -119,45 +134,60 @@ def transformer_config(
         attention_backend=AttnBackend.unfused,
         deterministic_mode=True,
     )
-    if any(LAYERS[symbol].experts for symbol in layers):
-        fields.update(
-            num_moe_experts=spec.num_experts,
-            moe_router_topk=spec.moe_topk,
-            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-            moe_grouped_gemm=True,
-            moe_token_dispatcher_type="alltoall",
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_expert_capacity_factor=spec.moe_capacity_factor,
-            # Every expert's input padded to its capacity, as the harness's MoE layers do: the
-            # shapes of expert_fc1/moe_act/fused_group_mlp tensors do not follow the routing, so
-            # the warmup's record predicts every later step's bytes.
-            moe_pad_expert_input_to_capacity=True,
-            use_transformer_engine_op_fuser=spec.moe_path == "fused",
-        )
-        if gpt is not None:  # which GPT layers are MoE (1) or dense (0)
-            fields["moe_layer_freq"] = [int(mlp == "E") for _, mlp in gpt]
-    if offload is not None:
-        fields.update(
-            fine_grained_activation_offloading=True,
-            offload_modules=list(offload.offload_modules),
-            min_offloaded_tensor_size=offload.min_offloaded_tensor_size,
-            activation_offload_fraction=offload.activation_offload_fraction,
-            fine_grained_offloading_max_inflight_offloads=offload.max_inflight_offloads,
-            delta_offload_bytes_across_pp_ranks=offload.delta_offload_bytes_across_pp_ranks,
-        )
-    make: Callable[..., Any] = TransformerConfig
-    if any(LAYERS[symbol].kind == "mla" for symbol in layers):
-        fields.update(
-            multi_latent_attention=True,
-            q_lora_rank=spec.q_lora_rank,
-            kv_lora_rank=spec.kv_lora_rank,
-            qk_head_dim=spec.qk_nope_head_dim,
-            qk_pos_emb_head_dim=spec.qk_rope_head_dim,
-            v_head_dim=spec.v_head_dim,
-            rope_type="rope",
-        )
-        make = MLATransformerConfig
+    return fields
+
+
+def _moe_fields(spec: ModelSpec) -> dict[str, Any]:
+    """The MoE fields of a pattern with experts (GPT models: which layers are MoE)."""
+    gpt = gpt_layers(spec.layers) if IMPLS[spec.impl].gpt_layers else None
+    fields: dict[str, Any] = dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_grouped_gemm=True,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_expert_capacity_factor=spec.moe_capacity_factor,
+        # Every expert's input padded to its capacity, as the harness's MoE layers do: the
+        # shapes of expert_fc1/moe_act/fused_group_mlp tensors do not follow the routing, so
+        # the warmup's record predicts every later step's bytes.
+        moe_pad_expert_input_to_capacity=True,
+        use_transformer_engine_op_fuser=spec.moe_path == "fused",
+    )
+    if gpt is not None:  # which GPT layers are MoE (1) or dense (0)
+        fields["moe_layer_freq"] = [int(mlp == "E") for _, mlp in gpt]
+    return fields
+
+
+def _offload_fields(offload: OffloadConfig) -> dict[str, Any]:
+    """megatron-core's fine-grained offloading knobs of the case's ``OffloadConfig``."""
+    return dict(
+        fine_grained_activation_offloading=True,
+        offload_modules=list(offload.offload_modules),
+        min_offloaded_tensor_size=offload.min_offloaded_tensor_size,
+        activation_offload_fraction=offload.activation_offload_fraction,
+        fine_grained_offloading_max_inflight_offloads=offload.max_inflight_offloads,
+        delta_offload_bytes_across_pp_ranks=offload.delta_offload_bytes_across_pp_ranks,
+    )
+
+
+def _mla_fields(spec: ModelSpec) -> dict[str, Any]:
+    """The multi-latent attention fields of a pattern with ``+``."""
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=spec.q_lora_rank,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_head_dim=spec.qk_nope_head_dim,
+        qk_pos_emb_head_dim=spec.qk_rope_head_dim,
+        v_head_dim=spec.v_head_dim,
+        rope_type="rope",
+    )
+
+
+def _with_knobs(make: Callable[..., Any], fields: dict[str, Any], spec: ModelSpec) -> Any:
+    """``make(**fields)`` with the spec's megatron-core knobs; a configuration megatron-core
+    refuses with the knobs (and accepts without them) is a ``Refused``."""
     knobs = knob_fields(spec)
     if not knobs:
         return make(**fields)
