@@ -6,8 +6,8 @@ stream, and the run's device memory freed when it ends."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 
@@ -22,7 +22,7 @@ from harness.models.mcore.config import (
     transformer_config,
     unavailable_reason,
 )
-from harness.models.mcore.sharding import TRAINERS
+from harness.models.mcore.sharding import TRAINERS, ShardingTrainer
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Offloader
@@ -41,15 +41,8 @@ def train(
     keep_final_state: bool,
     sharding: str,
 ) -> TrainResult:
-    """``harness.train.train`` for megatron-core's models (see the module docstring)."""
-    # The registry's refusal (the one ``Case`` gives); the evaluation pass is left to the case
-    # table, which refuses it for these rows.
-    refused = IMPLS[spec.impl].refuse(schedule=run.schedule, sharding=sharding, eval_first=False)
-    if refused is not None:
-        raise ValueError(refused)
-    reason = unavailable_reason(device)
-    if reason is not None:
-        raise ValueError(reason)
+    """``harness.train.train`` for megatron-core's models (see ``harness.models.mcore``)."""
+    _refuse(spec, run, device, sharding)
     ensure_parallel_state(device)
     _warm_process(spec, run, device, sharding)
     with _graph_scope(spec, device):
@@ -58,18 +51,14 @@ def train(
 
         inner = innermost(offloader)  # a wrapper (harness windows, the sync guard) drives it
         mode = _mode(inner)
-        offload = getattr(inner, "config", None) if mode != "plain" else None
-        if mode != "plain" and not isinstance(offload, OffloadConfig):
-            raise ValueError(f"backend {offloader.name!r} has no OffloadConfig for megatron-core")
-        config = transformer_config(spec, run, offload)
+        config = transformer_config(spec, run, _offload_config(offloader, inner, mode))
         model = build_model(spec, run, config, device)
         tracker = LayerTracker(model, hooks=not spec.cuda_graph)
         module = Float16Module(config, model) if run.precision == "bf16" else model
         trainer = TRAINERS[sharding](config, model, module, run)
-        ddp = trainer.wrapper
         if hooks.model_ready is not None:  # after bf16 casting and the wrapper moved the weights
             hooks.model_ready(model)
-        graphs = _graph_helper(config, ddp, spec, run.microbatches)
+        graphs = _graph_helper(config, trainer.wrapper, spec, run.microbatches)
         shard = distributed.rank() if sharding != "none" else 0
         data = make_batches(
             spec, seed=run.seed, steps=run.steps, microbatches=run.microbatches, shard=shard
@@ -79,62 +68,20 @@ def train(
         positions = torch.arange(T, device=device).unsqueeze(0).expand(B, T)
         losses = torch.zeros(run.steps, run.microbatches, device=device)
         grads: list[dict[str, torch.Tensor]] = []
-        forward_backward = get_forward_backward_func()
-
-        def one_pass(step: int, batches: torch.Tensor, forward_only: bool) -> None:
-            def forward_step(data_iterator: Iterator[int], net: Any) -> Any:
-                mb = next(data_iterator)
-                offloader.begin_microbatch(mb)
-                tokens = batches[mb]
-                inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-                # attention_mask None: TransformerEngine builds the causal mask itself (a given mask
-                # is OR-ed with it).
-                output = net(inputs, positions, None, labels=labels)
-
-                def loss_func(per_token: torch.Tensor) -> Any:
-                    loss = per_token.float().mean()
-                    if not forward_only:
-                        losses[step, mb].copy_(loss.detach())
-                        if hooks.after_forward is not None:
-                            hooks.after_forward(step, mb)
-                    return loss, {"loss": loss.detach()}
-
-                return output, loss_func
-
-            forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=iter(range(run.microbatches)),
-                model=[ddp],
-                num_microbatches=run.microbatches,
-                seq_length=T,
-                micro_batch_size=B,
-                forward_only=forward_only,
-            )
-            offloader.end_iteration()
-
+        one_pass = _pass_function(
+            spec,
+            run,
+            offloader,
+            trainer.wrapper,
+            hooks,
+            losses,
+            positions,
+            get_forward_backward_func(),
+        )
         with _wired(mode, offloader, model, tracker):
-            if run.eval_first:
-                ddp.eval()
-                with torch.no_grad():
-                    one_pass(0, data[0], forward_only=True)
-                ddp.train()
-            for step in range(run.steps):
-                context = hooks.step_context(step) if hooks.step_context else None
-                with context or contextlib.nullcontext():
-                    if graphs is not None and step == config.cuda_graph_warmup_steps:
-                        # as megatron's training loop: after the warmup; the replayed layers
-                        # take the parameter-gather pre-hooks by hand only where those overlap
-                        # (megatron-core asserts otherwise)
-                        graphs.create_cudagraphs()
-                        if getattr(ddp.ddp_config, "overlap_param_gather", False):
-                            graphs.cuda_graph_set_manual_hooks()
-                    trainer.zero_grad()
-                    compute = hooks.compute_context(step) if hooks.compute_context else None
-                    with compute or contextlib.nullcontext():
-                        one_pass(step, data[step], forward_only=False)
-                    if keep_grads:
-                        grads.append(trainer.grads())
-                    trainer.step()
+            _steps(
+                run, config, trainer, graphs, hooks, one_pass, data, grads if keep_grads else None
+            )
         tracker.remove()
         state = trainer.state() if keep_final_state else {}
         result = TrainResult(
@@ -145,6 +92,118 @@ def train(
         _release(trainer.tensors())
         _clear_forward_caches(model)
         return result
+
+
+def _refuse(spec: ModelSpec, run: RunSpec, device: torch.device, sharding: str) -> None:
+    """Raise ``ValueError`` for a case these models cannot run here."""
+    # The registry's refusal (the one ``Case`` gives); the evaluation pass is left to the case
+    # table, which refuses it for these rows.
+    refused = IMPLS[spec.impl].refuse(schedule=run.schedule, sharding=sharding, eval_first=False)
+    if refused is not None:
+        raise ValueError(refused)
+    reason = unavailable_reason(device)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def _offload_config(offloader: Offloader, inner: Offloader, mode: str) -> OffloadConfig | None:
+    """The offload knobs megatron-core's config takes (None for the plain run)."""
+    offload = getattr(inner, "config", None) if mode != "plain" else None
+    if mode != "plain" and not isinstance(offload, OffloadConfig):
+        raise ValueError(f"backend {offloader.name!r} has no OffloadConfig for megatron-core")
+    return offload
+
+
+class PassFunction(Protocol):
+    """One pass over a step's microbatches."""
+
+    def __call__(self, step: int, batches: torch.Tensor, forward_only: bool) -> None: ...
+
+
+def _pass_function(
+    spec: ModelSpec,
+    run: RunSpec,
+    offloader: Offloader,
+    ddp: Any,
+    hooks: RunHooks,
+    losses: torch.Tensor,
+    positions: torch.Tensor,
+    forward_backward: Callable[..., Any],
+) -> PassFunction:
+    """megatron-core's schedule over a step's microbatches, each forward told to the offloader
+    first, the losses recorded into ``losses`` (not in a forward-only pass), the iteration
+    ended after the last backward."""
+    B, T = spec.micro_batch_size, spec.seq_length
+
+    def one_pass(step: int, batches: torch.Tensor, forward_only: bool) -> None:
+        def forward_step(data_iterator: Iterator[int], net: Any) -> Any:
+            mb = next(data_iterator)
+            offloader.begin_microbatch(mb)
+            tokens = batches[mb]
+            inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+            # attention_mask None: TransformerEngine builds the causal mask itself (a given mask
+            # is OR-ed with it).
+            output = net(inputs, positions, None, labels=labels)
+
+            def loss_func(per_token: torch.Tensor) -> Any:
+                loss = per_token.float().mean()
+                if not forward_only:
+                    losses[step, mb].copy_(loss.detach())
+                    if hooks.after_forward is not None:
+                        hooks.after_forward(step, mb)
+                return loss, {"loss": loss.detach()}
+
+            return output, loss_func
+
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(range(run.microbatches)),
+            model=[ddp],
+            num_microbatches=run.microbatches,
+            seq_length=T,
+            micro_batch_size=B,
+            forward_only=forward_only,
+        )
+        offloader.end_iteration()
+
+    return one_pass
+
+
+def _steps(
+    run: RunSpec,
+    config: Any,
+    trainer: ShardingTrainer,
+    graphs: Any,
+    hooks: RunHooks,
+    one_pass: PassFunction,
+    data: torch.Tensor,
+    grads: list[dict[str, torch.Tensor]] | None,
+) -> None:
+    """The run's steps (after its evaluation pass, if any); each step's gradients appended to
+    ``grads`` (None: not kept)."""
+    ddp = trainer.wrapper
+    if run.eval_first:
+        ddp.eval()
+        with torch.no_grad():
+            one_pass(0, data[0], forward_only=True)
+        ddp.train()
+    for step in range(run.steps):
+        context = hooks.step_context(step) if hooks.step_context else None
+        with context or contextlib.nullcontext():
+            if graphs is not None and step == config.cuda_graph_warmup_steps:
+                # as megatron's training loop: after the warmup; the replayed layers
+                # take the parameter-gather pre-hooks by hand only where those overlap
+                # (megatron-core asserts otherwise)
+                graphs.create_cudagraphs()
+                if getattr(ddp.ddp_config, "overlap_param_gather", False):
+                    graphs.cuda_graph_set_manual_hooks()
+            trainer.zero_grad()
+            compute = hooks.compute_context(step) if hooks.compute_context else None
+            with compute or contextlib.nullcontext():
+                one_pass(step, data[step], forward_only=False)
+            if grads is not None:
+                grads.append(trainer.grads())
+            trainer.step()
 
 
 @contextlib.contextmanager
