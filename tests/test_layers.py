@@ -158,7 +158,8 @@ LAYER: dict[str, str] = {
 ALLOWED: dict[tuple[str, str], str] = {
     # (importer, imported): why the arrow still points the wrong way
     ("harness.models.mcore.bridge", "harness.observe"): (
-        "megatron's trainer hands its built model to the harness windows (isinstance Windowed)"
+        "a native run's wiring (_wired) hands the harness windows (isinstance Windowed) to "
+        "megatron-core's manager's watcher (McoreOffloader.native), which tells them each group"
     ),
     ("harness.html", "harness.settings"): (
         "index.html resolves the plots setting (PLOTS_VARIABLE, resolve_plots) where it renders"
