@@ -108,7 +108,7 @@ class Case:
     impl: str = "harness"
     """Who builds the model: ``harness`` (ours), ``mcore`` (megatron-core's ``HybridModel``
     with TransformerEngine layers, trained through its own schedule, DDP and distributed
-    optimizer; ``harness.mcore_models``) or ``mcore-gpt`` (megatron-core's ``GPTModel``, the
+    optimizer; ``harness.models.mcore``) or ``mcore-gpt`` (megatron-core's ``GPTModel``, the
     same way). megatron-core's rows run the sequential schedule only (one pipeline stage),
     unsharded, with no evaluation pass first."""
     description: str = ""

@@ -1144,11 +1144,11 @@ def _block_change(now: dict[int, Block], before: dict[int, Block]) -> _BlockChan
     was freed meanwhile.
 
     Memory a run frees without having allocated it: on the H200 megatron-core kept a finished
-    run reachable until the next one replaced its globals (937 MB, before ``mcore_models``
+    run reachable until the next one replaced its globals (937 MB, before ``harness.models.mcore``
     emptied a run's storages at its end), and megatron-core and TransformerEngine replace
     process caches during a run (128 KiB and 512-B blocks, up to 1.4 MB, on every mcore row;
     the 128 KiB ones were earlier models' rotary tables in ``RotaryEmbedding.forward``'s
-    ``lru_cache``, which ``mcore_models`` now empties at a run's end), freeing the old block
+    ``lru_cache``, which ``harness.models.mcore`` now empties at a run's end), freeing the old block
     and allocating one of the same sizes at the same address or not. The readings count
     neither."""
     added = Counter(block for address, block in now.items() if before.get(address) != block)

@@ -5,7 +5,7 @@ on selecting it (``requires``, ``excludes``) and whether its saved shapes follow
 ``LAYERS`` holds every layer pattern symbol: the layer kind it builds, its role in a GPT layer
 (attention or MLP), the groups it opens in start order, and the class of our model that builds
 it. ``harness.spec`` (pattern parsing, group templates), ``harness.offload.config``
-(selection rules), ``harness.models`` and ``harness.mcore_models`` all read these tables; adding
+(selection rules), ``harness.models`` and ``harness.models.mcore`` all read these tables; adding
 a symbol or a group name is one entry here (plus, for a symbol, its layer module).
 
 Data only: importing this module imports no torch.

@@ -5,9 +5,10 @@ between implementations - which schedules and shardings they run, whether the ho
 applies, their default backend, why they cannot run on this machine, the function that trains
 them - is declared here, so no other module tests for a particular implementation by name.
 
-Adding an implementation is one entry here plus its module, whose ``train`` function has the
-signature of ``harness.train.train_harness``. Data only: importing this module imports no
-torch; the ``module:function`` paths are imported when used.
+Adding an implementation is one entry here plus its module, whose ``train`` function is a
+``harness.runs.Trainer`` (the call signature it shares with ``harness.train.train_harness``).
+Data only: importing this module imports no torch; the ``module:function`` paths are imported
+when used (so the field holds a path, and ``harness.train.train`` annotates what it imports).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class ModelImpl:
     """``--family`` value that selects its rows: ``harness`` (ours) or ``mcore``."""
     description: str
     trainer: str
-    """``module:function`` training one run (``harness.train.train`` dispatches to it)."""
+    """``module:function`` of its ``harness.runs.Trainer``, the function training one run
+    (``harness.train.train`` dispatches to it). A path, not the function: this table imports no
+    torch, and it is below ``harness.runs`` in the layers (``tests/test_layers.py``)."""
     schedules: tuple[str, ...]
     shardings: tuple[str, ...]
     eval_first: bool
@@ -53,6 +56,7 @@ class ModelImpl:
         return "" if self is _IMPLS[0] else f"{self.name}-"
 
     def train_function(self) -> Callable[..., Any]:
+        """Its ``harness.runs.Trainer`` (imported now)."""
         module, _, name = self.trainer.partition(":")
         return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
@@ -97,7 +101,7 @@ _IMPLS = (
         family="mcore",
         description="megatron-core's HybridModel with TransformerEngine layers, its one-stage "
         "schedule, DDP and distributed optimizer or Megatron-FSDP",
-        trainer="harness.mcore_models:train",
+        trainer="harness.models.mcore:train",
         schedules=("sequential",),
         shardings=("none", "mfsdp", "mfsdp2"),
         eval_first=False,
@@ -105,14 +109,14 @@ _IMPLS = (
         mtp=True,
         sync_guard=_MCORE_SYNC,
         default_backend="mcore",
-        availability="harness.mcore_models:unavailable_reason",
+        availability="harness.models.mcore:unavailable_reason",
     ),
     ModelImpl(
         name="mcore-gpt",
         family="mcore",
         description="megatron-core's GPTModel with TransformerEngine layers (each layer one "
         "attention and one MLP/MoE symbol of the pattern), trained as mcore",
-        trainer="harness.mcore_models:train",
+        trainer="harness.models.mcore:train",
         schedules=("sequential",),
         shardings=("none", "mfsdp", "mfsdp2"),
         eval_first=False,
@@ -120,7 +124,7 @@ _IMPLS = (
         knobs=True,
         sync_guard=_MCORE_SYNC,
         default_backend="mcore",
-        availability="harness.mcore_models:unavailable_reason",
+        availability="harness.models.mcore:unavailable_reason",
     ),
 )
 IMPLS: dict[str, ModelImpl] = {impl.name: impl for impl in _IMPLS}

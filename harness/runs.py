@@ -1,17 +1,19 @@
-"""What a training run takes besides its specs and what it produces: shared by the runner for
-our models (``harness.train``) and the one for megatron-core's (``harness.mcore_models``), so
-neither imports the other for them."""
+"""What a training run takes besides its specs and what it produces, and the call signature of
+a model implementation's training function (``Trainer``): shared by the runner for our models
+(``harness.train``) and the one for megatron-core's (``harness.models.mcore``), so neither
+imports the other for them."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from harness.offload.protocol import IterationLog
+from harness.offload.protocol import IterationLog, Offloader
+from harness.spec import ModelSpec, RunSpec
 
 
 @dataclass(kw_only=True)
@@ -52,3 +54,25 @@ class Refused(ValueError):
     torch lacks what the configuration needs (TransformerEngine's CUDA graphs of megatron-core's
     layers). Every check of the case is then a skip whose reason says which: a finding about the
     library or the environment, not a failure of the offloader under test."""
+
+
+class Trainer(Protocol):
+    """A model implementation's training function (``harness.impls.ModelImpl.trainer`` names
+    it): ``harness.train.train_harness`` for ours, ``harness.models.mcore.train`` for
+    megatron-core's. ``harness.train.train`` checks the sharding, resolves the device and the
+    hooks and calls it under deterministic kernels; it trains ``run.steps`` steps of ``spec``
+    with ``offloader`` on ``device``, calling ``hooks``, keeping each step's gradients and the
+    final parameters when asked, under ``sharding`` (one of the implementation's)."""
+
+    def __call__(
+        self,
+        spec: ModelSpec,
+        run: RunSpec,
+        offloader: Offloader,
+        device: torch.device,
+        *,
+        hooks: RunHooks,
+        keep_grads: bool,
+        keep_final_state: bool,
+        sharding: str,
+    ) -> TrainResult: ...

@@ -324,7 +324,7 @@ SHARDINGS: tuple[str, ...] = ("none", "zero3", "mfsdp", "mfsdp2")
 (``optim_grads_params`` with the distributed optimizer); ``mfsdp2``, the Megatron-FSDP "v2
 building blocks" megatron-core 0.19 bundles (flat-placement ``fully_shard`` and
 ``fully_shard_optimizer``; not the upstream v2 adapter, which no release has). The last two are
-megatron-core's models only (``harness.mcore_models``). Every sharded run gives each rank its
+megatron-core's models only (``harness.models.mcore``). Every sharded run gives each rank its
 own data shard."""
 
 RECOMPUTE_MODULES: tuple[str, ...] = (

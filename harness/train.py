@@ -34,7 +34,7 @@ from harness import distributed
 from harness.impls import IMPLS
 from harness.models.hybrid import HybridModel, loss_fn, make_batches, seeded_model
 from harness.offload.protocol import Offloader, model_chunk_of
-from harness.runs import RunHooks, TrainResult
+from harness.runs import RunHooks, Trainer, TrainResult
 from harness.spec import (
     INTERLEAVED_CHUNKS,
     INTERLEAVED_RANK,
@@ -243,9 +243,9 @@ def train(
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}; known: {', '.join(SHARDINGS)}")
     device = torch.device(device)
-    trainer = IMPLS[spec.impl].train_function()
+    trainer: Trainer = IMPLS[spec.impl].train_function()
     with deterministic(device):
-        return trainer(  # type: ignore[no-any-return]
+        return trainer(
             spec,
             run,
             offloader,

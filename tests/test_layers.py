@@ -71,7 +71,12 @@ _MODELS = (
     "harness.models.hybrid",
     "harness.models.layers",
     "harness.models.moe",
-    "harness.mcore_models",
+    "harness.models.mcore",
+    "harness.models.mcore.bridge",
+    "harness.models.mcore.build",
+    "harness.models.mcore.config",
+    "harness.models.mcore.loop",
+    "harness.models.mcore.sharding",
     "harness.runs",
     "harness.train",
 )
@@ -152,8 +157,9 @@ LAYER: dict[str, str] = {
 
 ALLOWED: dict[tuple[str, str], str] = {
     # (importer, imported): why the arrow still points the wrong way
-    ("harness.mcore_models", "harness.observe"): (
-        "megatron's trainer hands its built model to the harness windows (isinstance Windowed)"
+    ("harness.models.mcore.bridge", "harness.observe"): (
+        "a native run's wiring (_wired) hands the harness windows (isinstance Windowed) to "
+        "megatron-core's manager's watcher (McoreOffloader.native), which tells them each group"
     ),
     ("harness.html", "harness.settings"): (
         "index.html resolves the plots setting (PLOTS_VARIABLE, resolve_plots) where it renders"

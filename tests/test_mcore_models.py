@@ -27,15 +27,15 @@ from harness.cases import (
     Case,
     matrix,
 )
-from harness.mcore_models import (
+from harness.models.mcore import (
     TRAINERS,
     Bridge,
-    _graph_scope,
     knob_fields,
     model_layers,
     transformer_config,
     unavailable_reason,
 )
+from harness.models.mcore.loop import _graph_scope
 from harness.offload.config import OffloadConfig
 from harness.offload.recorder import RecordingOffloader
 from harness.runs import Refused
@@ -268,7 +268,7 @@ def test_a_finished_runs_cached_forwards_are_emptied() -> None:
     for every module class of its model and leaves other classes alone."""
     import functools
 
-    from harness.mcore_models import _clear_forward_caches
+    from harness.models.mcore.loop import _clear_forward_caches
 
     class Rotary(torch.nn.Module):
         @functools.lru_cache(maxsize=32)  # noqa: B019 - the pattern under test
@@ -478,7 +478,7 @@ def test_a_config_error_without_knobs_is_the_harness_error_not_a_refusal(
 def test_layer_tracker_without_hooks_leaves_layers_capturable() -> None:
     """CUDA-graph rows track layers by wrapping ``forward``: megatron-core refuses to capture a
     module with pre-forward hooks."""
-    from harness.mcore_models import LayerTracker
+    from harness.models.mcore import LayerTracker
 
     layers = [torch.nn.Linear(2, 2) for _ in range(3)]
     model = types.SimpleNamespace(decoder=types.SimpleNamespace(layers=layers))

@@ -84,7 +84,7 @@ _FRAMES = [  # innermost first, as the allocator's snapshot lists them
         "name": "_call_impl",
     },
     {"filename": _MEGATRON, "line": 189, "name": "forward"},
-    {"filename": "/repo/harness/mcore_models.py", "line": 300, "name": "forward_step"},
+    {"filename": "/repo/harness/models/mcore/loop.py", "line": 300, "name": "forward_step"},
     {"filename": "/repo/harness/train.py", "line": 12, "name": "train"},
 ]
 
@@ -100,7 +100,7 @@ def test_live_blocks_name_each_blocks_allocation_site(monkeypatch) -> None:
     assert live == {0: (131072, 131072), 1 << 20: (512, 8)}
     assert sites == {
         0: "megatron/core/transformer/dot_product_attention.py:189 (forward)"
-        " < harness/mcore_models.py:300 (forward_step)"
+        " < harness/models/mcore/loop.py:300 (forward_step)"
     }
 
 

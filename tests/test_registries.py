@@ -5,6 +5,7 @@ picks it up."""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from dataclasses import replace
@@ -19,7 +20,7 @@ from harness.groups import GroupName, LayerSymbol
 from harness.models.hybrid import build_model
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
-from harness.runs import TrainResult
+from harness.runs import Trainer, TrainResult
 from harness.spec import ModelSpec, RunSpec, group_template, parse_pattern
 from harness.train import train
 
@@ -141,3 +142,13 @@ def test_every_symbol_and_group_is_consistent() -> None:
         for moe_path in ("unfused", "fused"):
             assert set(layer.template(moe_path)) <= set(groups.GROUPS)
     assert replace(groups.LAYERS["E"]).template("fused") == ("mlp_norm", "fused_group_mlp")
+
+
+@pytest.mark.parametrize("name", sorted(impls.IMPLS))
+def test_every_trainer_has_the_trainer_signature(name: str) -> None:
+    """Each implementation's training function takes the ``harness.runs.Trainer`` call: the
+    same parameters, kinds and annotations, the same result (megatron-core's module imports
+    without megatron-core: its imports are inside the functions)."""
+    expected = inspect.signature(Trainer.__call__)
+    expected = expected.replace(parameters=list(expected.parameters.values())[1:])
+    assert inspect.signature(impls.IMPLS[name].train_function()) == expected

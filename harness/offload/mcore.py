@@ -24,7 +24,7 @@ Three things megatron-core expects from its surroundings are provided here:
 * **A process group.** The first reset after warmup prints a per-rank summary table with one
   ``all_gather_object`` and one ``barrier`` on the world group. Under torchrun the session's
   group is used; a single process gets a one-rank NCCL group on an in-memory store (no port),
-  the group megatron-core's own models train on too (``harness.mcore_models``).
+  the group megatron-core's own models train on too (``harness.models.mcore``).
 * **Attribution for the transfer counter.** megatron-core emits NVTX ranges, not profiler
   ranges. Each chunk handler's offload, bulk-reload and pop methods are wrapped (per instance,
   semantics untouched) to open the harness's ``record_function`` range for the group being
@@ -166,7 +166,7 @@ class McoreOffloader:
 
     @contextlib.contextmanager
     def native(self, layer: Callable[[], int], windows: Any = None) -> Iterator[None]:
-        """Watch megatron-core's own modules drive the manager (``harness.mcore_models``):
+        """Watch megatron-core's own modules drive the manager (``harness.models.mcore``):
         its model forward opens the chunks, its layers the groups, its schedule resets. Inside,
         ``begin_microbatch`` only notes the microbatch and ``end_iteration`` does nothing; each
         group start is keyed by (microbatch, ``layer()``, name) and its chunk instrumented, a
