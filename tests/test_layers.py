@@ -55,6 +55,8 @@ _OFFLOAD = (
     "harness.offload.backends",
     "harness.offload.broken",
     "harness.offload.config",
+    "harness.offload.copies",
+    "harness.offload.groupstate",
     "harness.offload.layout",
     "harness.offload.mcore",
     "harness.offload.passthrough",
