@@ -81,6 +81,8 @@ _MEASURE = (
     "harness.cases",  # the case table: what a run measures
     "harness.execute",
     "harness.observe",
+    "harness.copyobserver",
+    "harness.checksums",
     "harness.transfers",
     "harness.timeline",
     "harness.predict",
