@@ -55,6 +55,8 @@ _OFFLOAD = (
     "harness.offload.backends",
     "harness.offload.broken",
     "harness.offload.config",
+    "harness.offload.copies",
+    "harness.offload.groupstate",
     "harness.offload.layout",
     "harness.offload.mcore",
     "harness.offload.passthrough",
@@ -84,6 +86,8 @@ _MEASURE = (
     "harness.cases",  # the case table: what a run measures
     "harness.execute",
     "harness.observe",
+    "harness.copyobserver",
+    "harness.checksums",
     "harness.transfers",
     "harness.timeline",
     "harness.predict",

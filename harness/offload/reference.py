@@ -20,179 +20,77 @@ Where we deliberately differ from Megatron-Core (each difference removes a known
     * After the warmup, a microbatch or group the warmup did not record is an error, not a
       silent remap or a silent "no offload".
 
-Stream discipline on CUDA (none of it blocks the host):
-    commit   d2h waits for the compute stream; copies on d2h; src.record_stream(d2h); d2h event
-    reload   h2d waits for the compute stream; h2d.wait_event(d2h event); copies on h2d; reload
-             event
-    use      compute.wait_event(reload event) before the first unpack / at commit-backward
-A side stream "waits for the compute stream" through the group's own ``ready_event``, recorded
-on the compute stream just before (the ordering of ``wait_stream``, without a new event per
-call), and the copies are issued after a plain ``set_stream`` switch, restored after: the hot
-path makes as few Python-level calls per group as it can, and makes its stream and event calls
-straight to torch's C++ bindings (``_CudaCalls``).
-On CPU the same bookkeeping runs with synchronous copies into separate host buffers.
+The mechanics (saved-tensor hooks, copies, host buffers, streams and events, the hot path's
+shortcuts) live in ``harness.offload.copies``: ``OffloadContext`` inherits them from its base
+``CopyEngine`` and keeps the rules here. On CPU the same bookkeeping runs with synchronous copies
+into separate host buffers.
 
 Variants of the reference (``harness.offload.broken``: the reference with one bug each) subclass
-``OffloadContext`` and override its steps; ``GroupState``, ``ChunkState``, ``HostCopy``, ``Tag``,
-the status values (``OPEN``, ``KEPT``, ``OFFLOADED``, ``RELOADING``) and ``group_range`` are the
-public building blocks they share. Module names with a leading underscore stay private.
+``OffloadContext`` and override its steps, the rules' and the mechanics' alike; ``GroupState``,
+``ChunkState``, ``HostCopy``, ``Tag``, the status values (``OPEN``, ``KEPT``, ``OFFLOADED``,
+``RELOADING``) and ``group_range`` (``harness.offload.groupstate``) are the public building blocks
+they share, importable from here. Module names with a leading underscore stay private.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar
 
 import torch
 
-from harness.offload.config import MOE_EXPERT_NAMES, OffloadConfig
+from harness.offload.config import OffloadConfig
+from harness.offload.copies import (
+    FULL_STORAGE_MIN_COVERAGE,
+    CopyEngine,
+    RaceDelays,
+    _fast_apply,
+    _is_fake_or_functional,
+    _pop_saved_tensors_hooks,
+    _push_saved_tensors_hooks,
+    _storage_key,
+)
+from harness.offload.groupstate import (
+    KEPT,
+    OFFLOADED,
+    OPEN,
+    RELOADING,
+    ChunkState,
+    GroupState,
+    HostCopy,
+    Tag,
+    group_range,
+)
 from harness.offload.passthrough import PassThroughGroup, apply_to_first
 from harness.offload.policy import apply_post_warmup
-from harness.offload.pool import HostBufferPool, staging_buffer
-from harness.offload.protocol import (
-    Capabilities,
-    GroupRecord,
-    IterationLog,
-    Output,
-    local_tensor,
-)
-from harness.offload.ranges import Direction, profiler_range
+from harness.offload.protocol import Capabilities, IterationLog, Output, local_tensor
 from harness.offload.semantics import MEGATRON_MAIN
+
+__all__ = [
+    "FULL_STORAGE_MIN_COVERAGE",
+    "KEPT",
+    "OFFLOADED",
+    "OPEN",
+    "RELOADING",
+    "ChunkState",
+    "GroupState",
+    "HostCopy",
+    "OffloadContext",
+    "RaceDelays",
+    "StructureChangedError",
+    "Tag",
+    "group_range",
+]
 
 _MARK_CALLS_KEPT = 1024
 """Distinct ``mark_not_offloadable`` calls remembered (then forgotten at once: a model marking
 fresh tensors on every call cannot grow the cache without bound)."""
 
-# A non-contiguous view covering at least this share of its storage is copied as the whole flat
-# storage (one DMA, layout restored on reload); a sparser view is gathered to contiguous.
-FULL_STORAGE_MIN_COVERAGE = 0.5
-
-_push_saved_tensors_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_saved_tensors_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-
-OPEN, KEPT, OFFLOADED, RELOADING = "open", "kept", "offloaded", "reloading"
-"""``GroupState.status`` values within an iteration (building blocks for reference variants)."""
-
 
 class StructureChangedError(RuntimeError):
     """The steady-state group sequence differs from the one the warmup recorded."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RaceDelays:
-    """GPU sleep cycles injected to widen race windows (``torch.cuda._sleep``); CUDA only."""
-
-    d2h: int = 0
-    """Before each group's D2H copies, on the D2H stream."""
-    h2d: int = 0
-    """Before each group's H2D copies, on the H2D stream."""
-    compute: int = 0
-    """After each offloaded commit, on the compute stream."""
-
-    def __post_init__(self) -> None:
-        for name in ("d2h", "h2d", "compute"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"RaceDelays.{name} must be an int >= 0 (cycles), got {value!r}")
-
-
-class HostCopy:
-    """Building block for reference variants: an offloaded saved tensor (buffer, device view)."""
-
-    __slots__ = ("buffer", "pooled", "view")
-
-    def __init__(
-        self,
-        buffer: torch.Tensor,
-        view: tuple[tuple[int, ...], tuple[int, ...], int] | None,
-        pooled: bool,
-    ) -> None:
-        self.buffer = buffer
-        self.view = view
-        self.pooled = pooled
-
-
-class Tag:
-    """Building block for reference variants: autograd's stand-in for a tracked tensor."""
-
-    __slots__ = ("group", "slot")
-
-    def __init__(self, group: GroupState, slot: int) -> None:
-        self.group = group
-        self.slot = slot
-
-
-class GroupState:
-    """Building block for reference variants: one group occurrence, reused after the warmup."""
-
-    def __init__(self, chunk: ChunkState, name: str, layer: int, cuda: bool) -> None:
-        self.chunk = chunk
-        self.name = name
-        self.layer = layer
-        self.use_pool = name not in MOE_EXPERT_NAMES  # MoE shapes vary with routing
-        # post-warmup policy state
-        self.offload = True
-        self.decision = "offloaded"
-        self.warmup_bytes = 0
-        self.last_of_name = False
-        self.ready_event = torch.cuda.Event() if cuda else None  # compute stream, for a side one
-        self.d2h_event = torch.cuda.Event() if cuda else None
-        self.reload_event = torch.cuda.Event() if cuda else None
-        self.pack_hook: Any = None  # the saved-tensor pack hook, made at the first enter
-        self._reset()
-
-    def _reset(self) -> None:
-        self.entries: dict[int, torch.Tensor | HostCopy] = {}
-        self.slots = 0  # slots handed out (entries shrink as backward pops them)
-        # slots still holding the saved tensor itself -> its storage address at pack time
-        self.on_device: dict[int, int] = {}
-        self.status = OPEN
-        self.iter_decision = "open"
-        self.waited = False
-        self.counts = {"d2h_copies": 0, "d2h_bytes": 0, "h2d_copies": 0, "h2d_bytes": 0}
-        self.tracked = 0
-        self.released = 0
-        self.release_skipped = 0
-        self.pool_hits = 0
-        self.pool_misses = 0
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} (microbatch {self.chunk.microbatch}, layer {self.layer})"
-
-    def record(self) -> GroupRecord:
-        return GroupRecord(
-            microbatch=self.chunk.microbatch,
-            layer=self.layer,
-            name=self.name,
-            decision=self.iter_decision,
-            tracked=self.tracked,
-            released=self.released,
-            pool_hits=self.pool_hits,
-            pool_misses=self.pool_misses,
-            **self.counts,
-        )
-
-
-class ChunkState:
-    """Building block for reference variants: one microbatch's forward groups, in start order."""
-
-    def __init__(self, microbatch: int) -> None:
-        self.microbatch = microbatch
-        self.groups: list[GroupState] = []
-        self._reset()
-
-    def _reset(self) -> None:
-        self.cursor = 0  # steady state: next warmup group expected
-        self.to_reload: list[GroupState] = []  # committed and offloaded, LIFO
-        self.forward_done = False
-        self.backward_started = False
-        self.active = False  # begun in this iteration
 
 
 class _Handle:
@@ -262,25 +160,11 @@ class _GroupCommit(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _fast_apply(function: type[torch.autograd.Function]) -> Any:
-    """``function.apply`` without ``torch.autograd.Function.apply``'s Python layer (it rebinds
-    default arguments and unwraps dead functorch wrappers: about 5 us a call on the H200 box's
-    host, two calls per group), the full path kept for functorch transforms."""
-    direct = super(torch.autograd.Function, function).apply  # the C++ apply
-    full = function.apply
-    active = torch._C._are_functorch_transforms_active
-
-    def apply(*args: Any) -> Any:
-        return full(*args) if active() else direct(*args)
-
-    return apply
-
-
 _start_apply = _fast_apply(_GroupStart)
 _commit_apply = _fast_apply(_GroupCommit)
 
 
-class OffloadContext:
+class OffloadContext(CopyEngine):
     """Backend ``reference``: one training run's activation offloader."""
 
     name = "reference"
@@ -305,14 +189,7 @@ class OffloadContext:
         self.delays = delays or RaceDelays()
         if not self.cuda and self.delays != RaceDelays():
             raise ValueError("race-provocation delays need a CUDA device")
-        self._d2h = torch.cuda.Stream(self.device) if self.cuda else None
-        self._h2d = torch.cuda.Stream(self.device) if self.cuda else None
-        self._cu = _CudaCalls() if self.cuda else None  # type: ignore[assignment]
-        # On CPU ``to`` would hand back the host buffer itself, which the pool reuses.
-        self._fused_reload = self.cuda and type(self)._h2d_copy is OffloadContext._h2d_copy
-        self._compute_key: tuple[int, int, int] | None = None  # see _compute_stream
-        self._compute: torch.cuda.Stream | None = None
-        self.pool = HostBufferPool(pin_memory=self.cuda)
+        self._init_copies()  # streams, pool, copy bookkeeping (harness.offload.copies)
         self.enabled = True
         self.warmup = True
         self.summary_bytes: dict[str, int] = {}
@@ -320,8 +197,6 @@ class OffloadContext:
         self._backward_order: list[ChunkState] = []
         self._current: ChunkState | None = None
         self._microbatch: int | None = None
-        self._device_refs: dict[int, int] = {}  # storage address -> saved tensors on device
-        self._pending_d2h: dict[str, deque[torch.cuda.Event | None]] = {}
         self._marked: dict[tuple[str, int], torch.Tensor] = {}
         self._marked_objects: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (tensor, address)
         # mark_not_offloadable's calls: ids -> (_marks_changed then, the tensors, shard addresses)
@@ -492,28 +367,6 @@ class OffloadContext:
             f"the warmup recorded {recorded}; the group structure changed after the warmup"
         )
 
-    def _pack(self, group: GroupState, tensor: torch.Tensor) -> Any:
-        if not self._trackable(tensor):
-            return tensor
-        slot = group.slots
-        group.slots = slot + 1
-        group.entries[slot] = tensor
-        address = tensor.untyped_storage().data_ptr()
-        group.on_device[slot] = address
-        refs = self._device_refs
-        refs[address] = refs.get(address, 0) + 1
-        return Tag(group, slot)
-
-    def _unhold(self, address: int) -> None:
-        """One saved tensor of storage ``address`` left the device (offloaded or handed back):
-        ``_device_refs`` counts those still there per storage, which forced release checks."""
-        refs = self._device_refs
-        count = refs.get(address, 0) - 1
-        if count > 0:
-            refs[address] = count
-        else:
-            refs.pop(address, None)
-
     def _trackable(self, tensor: torch.Tensor) -> bool:
         if tensor.device != self.device:
             return False
@@ -578,58 +431,6 @@ class OffloadContext:
                 return chunk
         return None
 
-    def _offload(self, group: GroupState) -> None:
-        compute = self._switch_to(self._d2h, group)
-        try:
-            if self.cuda and self.delays.d2h:
-                torch.cuda._sleep(self.delays.d2h)
-            with group_range("d2h", group):
-                entries, on_device = group.entries, group.on_device
-                for slot, tensor in list(entries.items()):
-                    if isinstance(tensor, torch.Tensor) and self._eligible(tensor):
-                        entries[slot] = self._copy_out(group, tensor)
-                        self._unhold(on_device.pop(slot))
-                if self.cuda:
-                    self._cu.record(group.d2h_event, self._d2h)
-        finally:
-            self._switch_back(compute)
-        group.status = OFFLOADED
-        if self.cuda and self.delays.compute:
-            torch.cuda._sleep(self.delays.compute)
-
-    def _copy_out(self, group: GroupState, tensor: torch.Tensor) -> HostCopy:
-        src, view = _transfer_source(tensor)
-        pooled = group.use_pool
-        if pooled:
-            buffer, hit = self.pool.acquire(src.shape, src.dtype, self._d2h)
-            group.pool_hits += hit
-            group.pool_misses += not hit
-        else:
-            buffer = self._new_host_buffer(src.shape, src.dtype)
-        self._d2h_copy(group, buffer, src)
-        # The source may be freed as soon as we drop it; its memory must not be reused before
-        # this copy has read it.
-        self._protect_source(tensor)
-        if self.warmup:
-            group.warmup_bytes += buffer.nbytes
-        return HostCopy(buffer, view, pooled)
-
-    def _new_host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """An unpooled host buffer (pinned on CUDA)."""
-        return staging_buffer(shape, dtype, pin_memory=self.cuda)
-
-    def _d2h_copy(self, group: GroupState, buffer: torch.Tensor, src: torch.Tensor) -> None:
-        """One D2H copy into ``buffer``, counted in the group's log."""
-        buffer.copy_(src, non_blocking=self.cuda)
-        counts = group.counts
-        counts["d2h_copies"] += 1
-        counts["d2h_bytes"] += buffer.nbytes
-
-    def _protect_source(self, tensor: torch.Tensor) -> None:
-        """Keep ``tensor``'s memory from reuse until the D2H stream's pending work is done."""
-        if self.cuda:
-            tensor.record_stream(self._d2h)
-
     def _release(self, group: GroupState, release: tuple[torch.Tensor, ...]) -> None:
         for tensor in release:
             if tensor is None or not self._trackable(tensor) or not self._eligible(tensor):
@@ -645,17 +446,6 @@ class OffloadContext:
             self._protect_source(tensor)
             storage.resize_(0)
             group.released += 1
-
-    def _cap_inflight(self, group: GroupState) -> None:
-        cap = self.config.max_inflight_offloads
-        if cap is None:
-            return
-        pending = self._pending_d2h.setdefault(group.name, deque())
-        pending.append(group.d2h_event)
-        while len(pending) > cap:
-            event = pending.popleft()
-            if event is not None:
-                self._cu.wait(event, self._compute_stream())
 
     # ------------------------------------------------------------------------ backward side
     def _backward_begins(self, chunk: ChunkState) -> None:
@@ -682,139 +472,7 @@ class OffloadContext:
         if nxt is not None:
             self._reload(nxt)
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, Tag):
-            return packed
-        group = packed.group
-        self._backward_begins(group.chunk)
-        if group.status == OFFLOADED:
-            self._reload(group, inline=True)  # nobody prefetched it: reload now, after its D2H
-        self._wait_reload(group)
-        try:
-            value = group.entries.pop(packed.slot)
-        except KeyError:
-            raise RuntimeError(
-                f"a saved tensor of group {group.label} was unpacked twice; the offloader hands "
-                "each saved tensor back once (retain_graph/double backward is not supported)"
-            ) from None
-        assert isinstance(value, torch.Tensor), "reloaded group still holds a host copy"
-        address = group.on_device.pop(packed.slot, None)
-        if address is not None:  # the original tensor, never offloaded
-            self._unhold(address)
-        return value
-
-    def _wait_reload(self, group: GroupState) -> None:
-        if group.status == RELOADING and not group.waited:
-            if self.cuda:
-                self._cu.wait(group.reload_event, self._compute_stream())
-            group.waited = True
-
-    def _reload(self, group: GroupState, *, inline: bool = False) -> None:
-        """Bring ``group`` back: prefetched at the end of a group's backward, or ``inline``
-        when backward unpacks a tensor of a group nobody prefetched."""
-        # Reloaded tensors are allocated on the H2D stream: the switch orders this allocation
-        # after all compute so far (which may still read memory the allocator is about to hand
-        # out). The H2D copies wait for the D2H that filled their buffers.
-        compute = self._switch_to(self._h2d, group)
-        returned: dict[int, torch.Tensor] = {}
-        try:
-            self._await_d2h(group, inline=inline)
-            if self.cuda and self.delays.h2d:
-                torch.cuda._sleep(self.delays.h2d)
-            with group_range("h2d", group):
-                entries = group.entries
-                for slot, entry in list(entries.items()):
-                    if isinstance(entry, HostCopy):
-                        entries[slot] = self._copy_in(group, entry)
-                        if entry.pooled:
-                            returned[id(entry.buffer)] = entry.buffer
-                if self.cuda:
-                    self._cu.record(group.reload_event, self._h2d)
-        finally:
-            self._switch_back(compute)
-        for buffer in returned.values():
-            self._return_buffer(group, buffer)
-        group.status = RELOADING
-
-    def _await_d2h(self, group: GroupState, *, inline: bool) -> None:
-        """Order the group's H2D copies after the D2H that filled its host buffers (both
-        paths: Megatron #7398's inline path has no such edge)."""
-        if self.cuda:
-            self._cu.wait(group.d2h_event, self._h2d)
-
-    def _return_buffer(self, group: GroupState, buffer: torch.Tensor) -> None:
-        """Give a pooled buffer back with the event of the H2D that still reads it."""
-        self.pool.release(buffer, group.reload_event)
-
-    def _copy_in(self, group: GroupState, entry: HostCopy) -> torch.Tensor:
-        buffer = entry.buffer
-        # The new device tensor is filled under deterministic mode (a device memset on the H2D
-        # stream, not host time): a read that races ahead of this copy then sees NaN, not
-        # whatever the block held before, which may be the activation's own old values (its
-        # block freed after the D2H).
-        if self._fused_reload:
-            # Allocation and copy in one call instead of two (``to`` allocates through the same
-            # factory, so the fill above holds).
-            restored = buffer.to(self.device, non_blocking=True)
-            counts = group.counts
-            counts["h2d_copies"] += 1
-            counts["h2d_bytes"] += buffer.nbytes
-        else:
-            restored = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device)
-            self._h2d_copy(group, restored, buffer)
-        if entry.view is not None:
-            size, stride, offset = entry.view
-            restored = restored.as_strided(size, stride, offset)
-        return restored
-
-    def _h2d_copy(self, group: GroupState, restored: torch.Tensor, buffer: torch.Tensor) -> None:
-        """One H2D copy from ``buffer``, counted in the group's log. On CUDA the reference
-        itself allocates and copies in one call instead (``_copy_in``); a variant that overrides
-        this method gets it called for every reloaded buffer, on either device."""
-        restored.copy_(buffer, non_blocking=self.cuda)
-        counts = group.counts
-        counts["h2d_copies"] += 1
-        counts["h2d_bytes"] += buffer.nbytes
-
     # ------------------------------------------------------------------------------ helpers
-    def _switch_to(
-        self, stream: torch.cuda.Stream | None, group: GroupState
-    ) -> tuple[torch.cuda.Stream, int] | None:
-        """Make ``stream`` (a side stream) current, ordered after all work enqueued on the
-        compute stream so far; returns what ``_switch_back`` restores (None on CPU): the compute
-        stream and the current device (``set_stream`` also makes the stream's device current).
-        The ordering goes through the group's ``ready_event``, recorded and waited for at once,
-        so the event is free again when the call returns."""
-        if stream is None:
-            return None
-        cu, compute, ready = self._cu, self._compute_stream(), group.ready_event
-        cu.record(ready, compute)
-        cu.wait(ready, stream)
-        device = cu.current_device()
-        cu.set_stream(stream)
-        return compute, device
-
-    def _compute_stream(self) -> torch.cuda.Stream:
-        """The device's current stream, what ``torch.cuda.current_stream(self.device)``
-        returns, without its Python layer (8 us a call on the H200 box's host against 0.2 us for
-        the raw query, three or more calls per group): the Stream object is made again only
-        when the current stream has changed since the last call."""
-        key = self._cu.current_stream(self.device.index)
-        if key != self._compute_key:
-            self._compute_key = key
-            self._compute = torch.cuda.Stream(
-                stream_id=key[0], device_index=key[1], device_type=key[2]
-            )
-        return self._compute  # type: ignore[return-value]
-
-    def _switch_back(self, previous: tuple[torch.cuda.Stream, int] | None) -> None:
-        if previous is None:
-            return
-        compute, device = previous
-        self._cu.set_stream(compute)
-        if device != self.device.index:
-            torch.cuda.set_device(device)
-
     def _post_warmup(self) -> dict[str, int]:
         forward = list(self._chunks.values())
         backward = self._backward_order + [c for c in forward if c not in self._backward_order]
@@ -842,41 +500,6 @@ class OffloadContext:
         )
 
 
-class _CudaCalls:
-    """The hot path's stream and event calls, straight to torch's C++ bindings: the Python
-    wrappers (``torch.cuda.current_stream``, ``current_device``, ``set_stream``,
-    ``Event.record``, ``Stream.wait_event``) took 3-8 us each inside a training step on the H200
-    box's host, the bindings 0.2-1.6 us, and a group makes about a dozen such calls. Each does
-    what its wrapper does once CUDA is initialised (the offloader's streams initialise it).
-    Resolved per offloader: a CPU-only build of torch has none of these bindings."""
-
-    __slots__ = ("current_device", "current_stream", "record", "wait")
-
-    def __init__(self) -> None:
-        bindings = torch._C
-        self.record = bindings._CudaEventBase.record
-        """``record(event, stream)``: what ``event.record(stream)`` does."""
-        self.wait = bindings._CudaEventBase.wait
-        """``wait(event, stream)``: ``stream`` waits for ``event``, as ``stream.wait_event``."""
-        self.current_stream = bindings._cuda_getCurrentStream
-        """``current_stream(index)``: (stream id, device index, device type) of the current one."""
-        self.current_device = bindings._cuda_getDevice
-
-    @staticmethod
-    def set_stream(stream: torch.cuda.Stream) -> None:
-        """What ``torch.cuda.set_stream(stream)`` does (its device becomes current too)."""
-        torch._C._cuda_setStream(
-            stream_id=stream.stream_id,
-            device_index=stream.device_index,
-            device_type=stream.device_type,
-        )
-
-
-def group_range(direction: Direction, group: GroupState) -> contextlib.AbstractContextManager[Any]:
-    """Building block for reference variants: the group's named profiler range."""
-    return profiler_range(direction, group.name, group.chunk.microbatch, group.layer)
-
-
 def _pop_offloaded(stack: list[GroupState]) -> GroupState | None:
     while stack:
         group = stack.pop()
@@ -885,36 +508,9 @@ def _pop_offloaded(stack: list[GroupState]) -> GroupState | None:
     return None
 
 
-def _transfer_source(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """What to copy for ``tensor``: itself, or its whole flat storage plus the view to restore."""
-    if tensor.is_contiguous():
-        return tensor, None
-    storage = tensor.untyped_storage()
-    nbytes, itemsize = storage.nbytes(), tensor.element_size()
-    if nbytes % itemsize or tensor.numel() * itemsize < FULL_STORAGE_MIN_COVERAGE * nbytes:
-        return tensor, None  # gather: copy_ makes it contiguous
-    flat = tensor.new_empty(0).set_(storage, 0, (nbytes // itemsize,), (1,))
-    return flat, (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
-    """(device index, -1 on CPU; storage address): no device object made on the hot path."""
-    return (tensor.get_device(), tensor.untyped_storage().data_ptr())
-
-
 def _normalize(device: torch.device) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"offload device {device} requested but no CUDA device is visible")
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _is_fake_or_functional(tensor: torch.Tensor) -> bool:
-    # A FakeTensor/FunctionalTensor can only exist once its module is loaded; looking the
-    # classes up instead of importing them keeps this hot path free of heavy imports.
-    fake = sys.modules.get("torch._subclasses.fake_tensor")
-    functional = sys.modules.get("torch._subclasses.functional_tensor")
-    return (fake is not None and isinstance(tensor, fake.FakeTensor)) or (
-        functional is not None and isinstance(tensor, functional.FunctionalTensor)
-    )
