@@ -21,6 +21,7 @@ from harness.spec import ModelSpec, chunk_layers, group_template, model_chunks, 
 from harness.transfers import Counts, TransferCounts, count_transfers, transfer_profiler
 
 COUNTER_FIELDS = ("d2h_copies", "d2h_bytes", "h2d_copies", "h2d_bytes")
+_ZERO = dict.fromkeys(COUNTER_FIELDS, 0)
 
 
 @contextlib.contextmanager
@@ -202,9 +203,6 @@ def offload_proof(
         for mb, layer, name in missing
     ]
     return problems
-
-
-_ZERO = dict.fromkeys(COUNTER_FIELDS, 0)
 
 
 def group_differences(
