@@ -24,7 +24,7 @@ import torch
 from harness import distributed
 from harness.cases import Case
 from harness.compare import Divergence, first_divergence, first_tensor_difference
-from harness.execute import Environment
+from harness.environment import Environment
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload, PassThroughGroup
 from harness.offload.protocol import Group, Offloader, Wrapper

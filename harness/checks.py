@@ -18,10 +18,13 @@ from typing import Any
 
 import torch
 
+from harness.attribution import total
+from harness.caserun import CaseRun, attribution_mismatches
 from harness.cases import Case
 from harness.commands import case_command
 from harness.compare import first_divergence, loss_table
-from harness.execute import CaseRun, Environment, MemoryResult, attribution_mismatches, total
+from harness.environment import Environment
+from harness.memory import MemoryResult
 from harness.offload.semantics import GroupKey
 from harness.predict import predict
 from harness.spec import ModelSpec, pass_label

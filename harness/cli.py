@@ -36,7 +36,7 @@ from harness.cases import (
     find_case,
     matrix,
 )
-from harness.execute import Environment
+from harness.environment import Environment
 from harness.html import render_index
 from harness.impls import family_impl, impl_unavailable
 from harness.judge import judge

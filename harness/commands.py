@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from harness.cases import MCORE_FAMILY, Case, default_matrix, full_matrix
-from harness.execute import Environment
+from harness.environment import Environment
 from harness.impls import IMPLS
 from harness.spec import PRESETS
 

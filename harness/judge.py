@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness import fingerprint, golden, progress
+from harness.caserun import CaseRun
 from harness.cases import Case
 from harness.checks import (
     checksum_coverage,
@@ -50,10 +51,12 @@ from harness.checks import (
     transfer_problems,
     weight_problems,
 )
-from harness.execute import CaseRun, Environment, MemoryResult, run_case
+from harness.environment import Environment
+from harness.execute import run_case
 from harness.globalstate import GlobalStateChanged
 from harness.impls import IMPLS
 from harness.learn import OBSERVED_LABEL
+from harness.memory import MemoryResult
 from harness.report import case_record, memory_record
 from harness.runs import Refused
 from harness.sanitizer import describe
@@ -172,8 +175,8 @@ class CaseRuns:
         return self._once("case", lambda: run_case(self.case, self.env))
 
     def memory(self) -> MemoryResult:
-        """The memory reading runs (``harness.execute.run_memory``), CUDA only."""
-        from harness.execute import run_memory
+        """The memory reading runs (``harness.memory.run_memory``), CUDA only."""
+        from harness.memory import run_memory
 
         if self.env.declared is None:  # the rule it is held to is learned by the case run
             self.case_run()

@@ -20,7 +20,7 @@ both exactly:
 * whether reloads keep the saved strides (read at every unpack by ``harness.observe``).
 
 Every later step, microbatch and pass is then held to that rule exactly as a declared rule is
-held (``harness.execute.CaseRun.step_mismatches``). Copies that no single rule explains - a group
+held (``harness.caserun.CaseRun.step_mismatches``). Copies that no single rule explains - a group
 moved in one step and not the next, two same-sized eligible tensors of which one moves - are a
 transfer failure naming the closest rule and where it differs.
 

@@ -411,7 +411,7 @@ def rule_record(res: Any) -> dict[str, Any]:
 
 def _checksum_fields(res: Any) -> dict[str, int]:
     """Checksum coverage of the offload run: reloads compared, saved tensors packed in the
-    harness's windows, offload copies made (``harness.execute.CaseRun.checksum_coverage``)."""
+    harness's windows, offload copies made (``harness.caserun.CaseRun.checksum_coverage``)."""
     return res.checksum_coverage()
 
 

@@ -2,7 +2,7 @@
 
 * Every case runs in a worker process (``harness.parallel``), ``jobs`` at a time, so a
   case that hangs or crashes cannot take the run with it. The rows that share a plain baseline
-  (``harness.execute.plain_key``) go to one worker in one call, which trains that baseline once;
+  (``harness.baselines.plain_key``) go to one worker in one call, which trains that baseline once;
   the calls start longest first.
 * An exception inside a case is that case's failed verdict (``error: Type: message``); the
   traceback goes to ``<report folder>/errors/<case>.txt``; the other cases still run.
@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from harness import leftovers, progress
+from harness.baselines import sharing_groups
 from harness.cases import Case
-from harness.execute import Environment, sharing_groups
+from harness.environment import Environment
 from harness.judge import judge
 from harness.parallel import kill_pool, worker_pool
 
@@ -137,7 +138,7 @@ def run_bundle(
 
 
 def _bundles(cases: list[Case], env: Environment, indices: list[int]) -> list[list[int]]:
-    """``indices`` grouped as ``harness.execute.sharing_groups`` groups them (rows of one plain
+    """``indices`` grouped as ``harness.baselines.sharing_groups`` groups them (rows of one plain
     baseline, at most ``MAX_ROWS_SHARING`` each), the groups longest first: a long case started
     last would leave the other workers idle at the end."""
     groups: dict[str, list[int]] = {}

@@ -329,7 +329,8 @@ def test_middle_step_bugs_are_seen_only_by_the_every_step_checks(
     """The final step and the warmup are right, so the final-step counts, the final-step log
     and the offload proof see nothing; only the checks of every step name the step."""
     from harness.detection import SEED
-    from harness.execute import Environment, run_case
+    from harness.environment import Environment
+    from harness.execute import run_case
 
     res = run_case(SEED, Environment(device=torch.device("cpu"), backend=backend))
     assert res.mismatches() == [] and res.log_mismatches() == [] and not res.proof_problems

@@ -29,7 +29,7 @@ process's share of the cores: one with all the cores' threads spins against the 
 workers and runs many times slower.
 
 Shared and left behind. The in-process tests share this process's plain baseline
-(``harness.execute.plain_baseline``, one key at a time): the plain run has no offloader, so it
+(``harness.baselines.plain_baseline``, one key at a time): the plain run has no offloader, so it
 is the same for every backend, and ``offload-harness run`` and ``scripts/mutation_score``
 share it between backends alike. So this module overrides ``tests/conftest.py``'s per-test
 ``forget_plain_baselines`` (nothing here patches how a run trains, and every other test of
@@ -56,9 +56,10 @@ import torch
 import warm
 from child_pytest import CHILD_OPTIONS
 
+from harness.baselines import sharing_key
 from harness.cases import Case
 from harness.detection import CATALOGUE, BrokenBackend, entry
-from harness.execute import Environment, sharing_key
+from harness.environment import Environment
 from harness.judge import CASE_TESTS, CHECKS, judge
 from harness.offload.backends import with_delays
 from harness.offload.broken import NO_DELAYS

@@ -332,7 +332,7 @@ def _judged(backend: str) -> dict[str, Any]:
     import torch
 
     from harness.cases import find_case
-    from harness.execute import Environment
+    from harness.environment import Environment
     from harness.judge import judge
 
     env = Environment(device=torch.device("cpu"), backend=f"offloaders:{backend}")

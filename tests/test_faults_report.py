@@ -24,7 +24,7 @@ from harness.cases import Case, default_matrix
 from harness.checks import repro_hint
 from harness.cli import _parser, _repro_spec
 from harness.commands import table_row
-from harness.execute import Environment
+from harness.environment import Environment
 from harness.report import (
     ReportDirError,
     claim_run_folder,

@@ -20,7 +20,7 @@ import warm
 
 from harness import session
 from harness.cases import Case, matrix
-from harness.execute import Environment
+from harness.environment import Environment
 
 FAULTY = '''
 import os, time

@@ -296,7 +296,8 @@ def _native(name: str) -> dict[str, Any]:
     """This machine's fingerprint and the case's plain losses (as ``summary.json`` lists them),
     trained here on one intra-op thread: what ``_run_cli`` reports with ``OMP_NUM_THREADS=1``
     and nothing forced, without an interpreter and a worker process of its own."""
-    from harness.execute import Environment, plain_baseline
+    from harness.baselines import plain_baseline
+    from harness.environment import Environment
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -374,7 +375,7 @@ def test_changed_model_fails_on_its_own_fingerprint(
     """The check keeps its teeth: a trace recorded here, then the same case with one extra op
     in the MLP (a scale by 1 + 2^-8), on the same fingerprint, is a mismatch that calls it a
     real numerics change."""
-    from harness.execute import Environment
+    from harness.environment import Environment
     from harness.offload.passthrough import NoOffload
     from harness.train import train
 

@@ -211,7 +211,7 @@ def test_a_tensor_saved_twice_reloads_as_two_allocations() -> None:
 def test_an_offload_that_moves_nothing_is_named_by_pass_and_chunk() -> None:
     """The offload proof covers every pass of every model chunk, each named by its microbatch
     and chunk: ``broken.noop`` fails it for each of the 8 passes and both selected names."""
-    from harness.execute import Environment
+    from harness.environment import Environment
     from harness.judge import judge
 
     env = Environment(device=torch.device("cpu"), backend="broken.noop")

@@ -55,7 +55,7 @@ def test_update_golden_is_updated_not_pass(tmp_path: Path, monkeypatch: pytest.M
     import torch
 
     from harness import golden
-    from harness.execute import Environment
+    from harness.environment import Environment
     from harness.judge import CaseRuns, check
     from harness.report import verdict_table, write_junit
 

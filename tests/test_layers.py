@@ -85,6 +85,11 @@ _MODELS = (
 _MEASURE = (
     "harness.cases",  # the case table: what a run measures
     "harness.execute",
+    "harness.environment",  # where and with what a case runs
+    "harness.attribution",
+    "harness.baselines",  # the plain baseline and memory reading rows share
+    "harness.caserun",
+    "harness.memory",  # the memory case's reading
     "harness.observe",
     "harness.copyobserver",
     "harness.checksums",

@@ -1,4 +1,4 @@
-"""The memory case: its allocator readings (``harness.execute``) from synthetic snapshots, and
+"""The memory case: its allocator readings (``harness.memory``) from synthetic snapshots, and
 its check (``harness.checks.memory_problems``) on synthetic results."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
-from harness import execute
+from harness import baselines, environment, memory
 from harness.cases import MCORE_ROWS, SEED_CASE, Case
 from harness.checks import memory_problems
-from harness.execute import MemoryResult
+from harness.memory import MemoryResult
 
 
 def _segment(address: int, blocks: list[tuple[int, int, str]], **extra: object) -> dict:
@@ -36,7 +36,7 @@ def test_live_blocks_walk_each_segment_in_address_order(monkeypatch) -> None:
         {**_segment(9000, [(512, 512, "active_allocated")]), "device": 1},
     ]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
-    live = execute._live_blocks(torch.device("cuda", 0))
+    live = memory._live_blocks(torch.device("cuda", 0))
     # the third block starts after the first two (1000 + 512 + 512); device 1 is not read
     assert live == {1000: (512, 500), 2024: (1024, 1000)}
 
@@ -52,16 +52,16 @@ def test_live_blocks_prefer_the_blocks_own_address(monkeypatch) -> None:
         }
     ]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
-    assert execute._live_blocks(torch.device("cuda", 0)) == {4096: (512, 512)}
+    assert memory._live_blocks(torch.device("cuda", 0)) == {4096: (512, 512)}
 
 
 def test_an_earlier_runs_memory_freed_meanwhile_is_not_taken_for_a_saving() -> None:
     floor = {0: (1 << 20, 1 << 20), 1 << 20: (512, 500)}  # an earlier run's block, then ours
     # the earlier block went away; this run allocated two blocks, one where the old one was
     now = {1 << 20: (512, 500), 4 << 20: (2048, 2000), 0: (512, 512)}
-    assert execute._block_change(now, floor).new == Counter({(512, 512): 1, (2048, 2000): 1})
-    assert execute._block_change(now, floor).gone == Counter({(1 << 20, 1 << 20): 1})
-    assert execute._block_change(floor, floor).gone == Counter()
+    assert memory._block_change(now, floor).new == Counter({(512, 512): 1, (2048, 2000): 1})
+    assert memory._block_change(now, floor).gone == Counter({(1 << 20, 1 << 20): 1})
+    assert memory._block_change(floor, floor).gone == Counter()
 
 
 def test_a_cache_replaced_during_the_run_is_not_counted_wherever_it_lands() -> None:
@@ -69,11 +69,11 @@ def test_a_cache_replaced_during_the_run_is_not_counted_wherever_it_lands() -> N
     moved = {1 << 21: (131072, 131072), 1 << 20: (512, 8), 1 << 22: (4096, 4000)}
     same_place = {0: (131072, 131072), 1 << 20: (512, 8), 1 << 22: (4096, 4000)}
     for now in (moved, same_place):
-        assert execute._block_change(now, floor).new == Counter({(4096, 4000): 1})
-    assert execute._block_change(moved, floor).replaced == Counter({(131072, 131072): 1})
-    assert execute._block_change(same_place, floor).replaced == Counter()
+        assert memory._block_change(now, floor).new == Counter({(4096, 4000): 1})
+    assert memory._block_change(moved, floor).replaced == Counter({(131072, 131072): 1})
+    assert memory._block_change(same_place, floor).replaced == Counter()
     # a freed block nothing replaced is not subtracted from anything
-    assert execute._block_change({1 << 22: (4096, 4000)}, floor).new == Counter({(4096, 4000): 1})
+    assert memory._block_change({1 << 22: (4096, 4000)}, floor).new == Counter({(4096, 4000): 1})
 
 
 _MEGATRON = "/root/te-site/megatron/core/transformer/dot_product_attention.py"
@@ -96,7 +96,7 @@ def test_live_blocks_name_each_blocks_allocation_site(monkeypatch) -> None:
     ]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
     sites: dict[int, str] = {}
-    live = execute._live_blocks(torch.device("cuda", 0), sites)
+    live = memory._live_blocks(torch.device("cuda", 0), sites)
     assert live == {0: (131072, 131072), 1 << 20: (512, 8)}
     assert sites == {
         0: "megatron/core/transformer/dot_product_attention.py:189 (forward)"
@@ -105,7 +105,7 @@ def test_live_blocks_name_each_blocks_allocation_site(monkeypatch) -> None:
 
 
 def test_a_site_inside_torch_alone_is_still_named() -> None:
-    site = execute.allocation_site(_FRAMES[:1], depth=1)
+    site = memory.allocation_site(_FRAMES[:1], depth=1)
     assert site == "torch/nn/modules/module.py:1 (_call_impl)"
 
 
@@ -223,11 +223,11 @@ def test_allocation_sites_are_recorded_only_during_the_memory_runs(monkeypatch) 
     calls: list[dict] = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw))
     device = torch.device("cuda", 0)
-    with execute._allocation_sites(device):
+    with memory._allocation_sites(device):
         assert calls == [dict(enabled="state", context="alloc", stacks="python", device=device)]
     assert calls[-1] == dict(enabled=None, device=device)
     calls.clear()
-    with pytest.raises(RuntimeError), execute._allocation_sites(device):
+    with pytest.raises(RuntimeError), memory._allocation_sites(device):
         raise RuntimeError("a run failed")
     assert [c["enabled"] for c in calls] == ["state", None]
 
@@ -246,7 +246,7 @@ def test_a_zero3_reading_after_runs_freed_earlier_blocks_is_not_attributable(
     class Runs:
         def __init__(self, case: Case, res: MemoryResult) -> None:
             self.case, self._res = case, res
-            self.env = execute.Environment(device=torch.device("cuda", 0))
+            self.env = environment.Environment(device=torch.device("cuda", 0))
 
         def memory(self) -> MemoryResult:
             return self._res
@@ -263,13 +263,13 @@ def test_a_zero3_reading_after_runs_freed_earlier_blocks_is_not_attributable(
     assert judge._memory(Runs(SEED_CASE, unsharded)).status == "fail"  # type: ignore[arg-type]
 
 
-def _rows_by_plain_key(env: execute.Environment) -> dict[str, list[Case]]:
+def _rows_by_plain_key(env: environment.Environment) -> dict[str, list[Case]]:
     """The default matrix's rows by their plain key, in matrix order."""
     from harness.cases import default_matrix
 
     keys: dict[str, list[Case]] = {}
     for row in default_matrix():
-        keys.setdefault(execute.plain_key(row, env), []).append(row)
+        keys.setdefault(baselines.plain_key(row, env), []).append(row)
     return keys
 
 
@@ -278,7 +278,8 @@ def test_rows_sharing_a_plain_key_read_the_baseline_memory_once(
 ) -> None:
     """The no-offload reading depends only on the plain key: the second row of a key reuses
     the first's, a row of another key reads anew (and replaces it: one entry)."""
-    from harness.execute import Environment, plain_key
+    from harness.baselines import plain_key
+    from harness.environment import Environment
     from harness.train import schedule_order
 
     env = Environment(device=torch.device("cpu"))
@@ -291,16 +292,16 @@ def test_rows_sharing_a_plain_key_read_the_baseline_memory_once(
         read.append((type(offloader).__name__, last_mb))
         return object()
 
-    monkeypatch.setattr(execute, "_memory_run", fake_run)
-    execute.forget_plain_baselines()
-    reading = execute.memory_baseline(first, env)
+    monkeypatch.setattr(memory, "_memory_run", fake_run)
+    baselines.forget_plain_baselines()
+    reading = memory.memory_baseline(first, env)
     assert (reading.key, reading.made_by) == (plain_key(first, env), first.name)
-    assert execute.memory_baseline(second, env) is reading
+    assert memory.memory_baseline(second, env) is reading
     order = schedule_order(first.run_spec().schedule, first.run_spec().microbatches)
     last_mb = [mb for kind, mb in order if kind == "F"][-1]
     assert read == [("NoOffload", last_mb)]  # one read, after the last forward
-    assert execute.memory_baseline(other, env) is not reading
-    assert execute.memory_baseline(first, env) is not reading  # read anew: one entry kept
+    assert memory.memory_baseline(other, env) is not reading
+    assert memory.memory_baseline(first, env) is not reading  # read anew: one entry kept
     assert len(read) == 3
 
 
@@ -312,7 +313,9 @@ def test_run_memory_reads_the_offload_run_against_the_shared_baseline(
     run is read, and the result names the key and the row that read the baseline."""
     import contextlib
 
-    from harness.execute import Environment, plain_key, record_observations
+    from harness.baselines import plain_key
+    from harness.environment import Environment
+    from harness.execute import record_observations
     from harness.offload.passthrough import NoOffload
 
     cpu = Environment(device=torch.device("cpu"))
@@ -326,7 +329,7 @@ def test_run_memory_reads_the_offload_run_against_the_shared_baseline(
         runs.append("baseline" if base else "offload")
         steps.append(run.steps)
         requested = 1000 if base else 400
-        return execute._MemoryReading(
+        return memory._MemoryReading(
             allocated=requested + 24,
             requested=requested,
             rounding=24,
@@ -338,17 +341,17 @@ def test_run_memory_reads_the_offload_run_against_the_shared_baseline(
         )
 
     cuda = Environment(device=torch.device("cuda", 0))
-    monkeypatch.setattr(execute, "_memory_run", fake_run)
-    monkeypatch.setattr(execute, "_allocation_sites", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(execute, "record_observations", lambda *a: pytest.fail("recorded again"))
+    monkeypatch.setattr(memory, "_memory_run", fake_run)
+    monkeypatch.setattr(memory, "_allocation_sites", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(memory, "record_observations", lambda *a: pytest.fail("recorded again"))
     monkeypatch.setattr(Environment, "offloader", lambda self, config: _Off())
     monkeypatch.setattr(Environment, "spec", lambda self, case: case.model_spec("tiny"))
-    monkeypatch.setattr(execute, "plain_key", lambda case, env: plain_key(case, cpu))
-    execute.forget_plain_baselines()
-    results = [execute.run_memory(row, cuda, observations[row.name]) for row in (first, second)]
+    monkeypatch.setattr(memory, "plain_key", lambda case, env: plain_key(case, cpu))
+    baselines.forget_plain_baselines()
+    results = [memory.run_memory(row, cuda, observations[row.name]) for row in (first, second)]
     assert runs == ["baseline", "offload", "offload"]
     # the warmup and one steady step, whatever the row's own steps (6 on these rows)
-    assert first.steps > execute.MEMORY_STEPS and steps == [execute.MEMORY_STEPS] * 3
+    assert first.steps > memory.MEMORY_STEPS and steps == [memory.MEMORY_STEPS] * 3
     for res in results:
         assert (res.baseline_key, res.baseline_made_by) == (plain_key(first, cpu), first.name)
         assert (res.requested_drop, res.allocated_drop, res.rounding) == (600, 600, 48)

@@ -19,7 +19,7 @@ import torch
 
 from harness import detection, fingerprint, golden
 from harness.cases import SEED_CASE
-from harness.execute import Environment
+from harness.environment import Environment
 from harness.judge import CheckOutcome, Judgement, judge
 from harness.tools import mutation_score
 

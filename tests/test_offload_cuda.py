@@ -155,7 +155,8 @@ def test_the_case_runs_offload_run_is_the_sync_checks_guarded_run(backend: str) 
     passes it, ``broken.host_sync`` is caught there by ATen's debug mode, and its offload run
     is made again without the guard, so the loss check still reads every step."""
     from harness.detection import SEED
-    from harness.execute import Environment, guards_in_offload_run, run_case
+    from harness.environment import Environment
+    from harness.execute import guards_in_offload_run, run_case
     from harness.syncguard import GUARDED_STEP, GuardedRun, HostSyncError
 
     env = Environment(device=torch.device("cuda", torch.cuda.current_device()), backend=backend)

@@ -1,5 +1,5 @@
 """The worker pool (``harness.parallel``) and the shared plain baseline
-(``harness.execute.plain_baseline``)."""
+(``harness.baselines.plain_baseline``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.attribution import total
+from harness.baselines import plain_baseline, plain_key
 from harness.cases import default_matrix
-from harness.execute import Environment, plain_baseline, plain_key, run_case, total
+from harness.environment import Environment
+from harness.execute import run_case
 from harness.parallel import worker_pool
 
 CPU = torch.device("cpu")
@@ -100,7 +103,7 @@ def test_rows_sharing_a_key_share_one_plain_run_and_judge_alike() -> None:
     assert torch.equal(a.plain.losses, b.plain.losses)
     assert b.verdict.ok and b.hooks.losses.shape[0] == 1
     assert plain_baseline(second, env).made_by == first.name
-    from harness.execute import forget_plain_baselines
+    from harness.baselines import forget_plain_baselines
 
     forget_plain_baselines()
     fresh = run_case(second, env)

@@ -16,7 +16,7 @@ import torch
 from harness.bisect import RoutedOffloader, localise
 from harness.cases import Case, default_matrix
 from harness.cli import _parser, _repro_spec, main
-from harness.execute import Environment
+from harness.environment import Environment
 from harness.golden import parse_trace
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload, PassThroughGroup

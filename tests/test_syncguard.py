@@ -13,7 +13,8 @@ import torch
 
 from harness import execute, syncguard
 from harness.detection import SEED
-from harness.execute import Environment, run_case
+from harness.environment import Environment
+from harness.execute import run_case
 from harness.judge import CaseRuns
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from harness.cases import SEED_CASE, Case
-from harness.execute import Environment
+from harness.environment import Environment
 from harness.judge import judge
 from harness.observe import CopyObserver, Windowed, observe
 from harness.offload.adapters import ContextGroup, SaveOnCpu
@@ -228,7 +228,8 @@ def test_a_corrupt_contiguous_reload_fails_against_the_layout_baseline() -> None
 
 
 def test_reference_counts_by_its_ranges_and_the_windows_agree() -> None:
-    from harness.execute import attribution_mismatches, run_case
+    from harness.caserun import attribution_mismatches
+    from harness.execute import run_case
 
     res = run_case(ROW, Environment(device=CPU, backend="reference"))
     assert res.attribution is not None and res.attribution.source == "offloader ranges"
@@ -338,7 +339,7 @@ def test_observer_reads_the_offloaders_ranges_as_the_cpu_profiler_counts_them() 
     copies and bytes per range occurrence."""
     import contextlib
 
-    from harness.execute import _profiled
+    from harness.attribution import _profiled
     from harness.offload.reference import OffloadContext
     from harness.train import RunHooks, train
 

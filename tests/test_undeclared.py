@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from harness.cases import Case
-from harness.execute import Environment, run_case
+from harness.environment import Environment
+from harness.execute import run_case
 from harness.judge import judge
 from harness.learn import learn
 from harness.offload.config import OffloadConfig

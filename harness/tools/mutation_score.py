@@ -46,7 +46,7 @@ import torch
 from harness import settings
 from harness.cases import Case, default_matrix
 from harness.detection import CATALOGUE, BrokenBackend, entry
-from harness.execute import Environment
+from harness.environment import Environment
 from harness.judge import CHECKS, judge
 from harness.offload.backends import parse_race_delays, resolve_backend, with_delays
 from harness.offload.broken import NO_DELAYS
