@@ -158,34 +158,7 @@ def _running(pid: int) -> bool:
 def test_no_process_outlives_a_run_killed_with_sigkill(backends: Path) -> None:
     """SIGKILL to ``offload-harness run`` once its workers run: its forkserver, its workers
     (and multiprocessing's resource tracker) are gone within a few seconds."""
-    process = subprocess.Popen(
-        [*RUN, "--report-dir", "r"],
-        cwd=backends,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=warm.confine,
-    )
-    assert process.stdout is not None
-    watchdog = threading.Timer(120, process.kill)  # a run that never prints ends the reads
-    watchdog.start()
-    seen: list[str] = []
-    try:
-        while not (seen and seen[-1].startswith("running ")):
-            line = process.stdout.readline()
-            assert line, "the run ended before its cases started:\n" + "".join(seen)
-            seen.append(line)
-        deadline = time.monotonic() + 60
-        family: list[int] = []
-        while time.monotonic() < deadline:  # the forkserver and its two workers at least
-            family = _descendants(process.pid)
-            if len(family) >= 3:
-                break
-            time.sleep(0.05)
-    finally:
-        watchdog.cancel()
-    assert len(family) >= 3, f"no workers: {family}\n" + "".join(seen)
-    assert process.poll() is None, "the run ended before the signal:\n" + "".join(seen)
+    process, _, family = _start_run(backends, ["--report-dir", "r"], warm.confine)
     process.kill()
     process.wait(timeout=10)
     deadline = time.monotonic() + 5
@@ -202,13 +175,21 @@ def _start_full_matrix(folder: Path) -> tuple[subprocess.Popen[str], list[str], 
     """``offload-harness run --matrix full`` started as a terminal would, once its workers run
     (cases still to come whenever a signal lands): the process, its output so far, the
     forkserver and workers."""
+    return _start_run(folder, ["--matrix", "full", "--report-dir", "r"], warm.confine_interruptible)
+
+
+def _start_run(
+    folder: Path, args: list[str], preexec: Any
+) -> tuple[subprocess.Popen[str], list[str], list[int]]:
+    """``offload-harness run <args>`` in ``folder``, returned once it printed its start line and
+    its forkserver and two workers exist (each read bounded by a watchdog)."""
     process = subprocess.Popen(
-        [*RUN, "--matrix", "full", "--report-dir", "r"],
+        [*RUN, *args],
         cwd=folder,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=warm.confine_interruptible,
+        preexec_fn=preexec,
     )
     assert process.stdout is not None
     watchdog = threading.Timer(120, process.kill)  # a run that never prints ends the reads
