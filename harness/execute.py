@@ -55,7 +55,7 @@ from harness.compare import (
 )
 from harness.environment import Environment, closing
 from harness.impls import IMPLS
-from harness.learn import LEARNING_STEPS, ObservedRule, learn
+from harness.learn import ObservedRule, learn_from_steps
 from harness.observe import Observed, Windowed, corrupted_reloads
 from harness.offload.layout import LayoutBaseline
 from harness.offload.protocol import Offloader, plan_of
@@ -159,7 +159,7 @@ def run_case(case: Case, env: Environment, baselines: Baselines | None = None) -
     per_step = [m.counts(steps.mode) for m in mine]
     attribution = attribute(made.sink, mine, per_step)
     if steps.semantics is None:  # learned from the warmup and first steady step
-        steps.learn_rule(mine, per_step)
+        steps.learn_rule(mine)
     disabled = steps.disabled_run()
     hooks = steps.diagnosis(shared.result, made.result, hooks)
     result = steps.assemble(
@@ -280,13 +280,11 @@ class _CaseSteps:
             )
         return made, guarded
 
-    def learn_rule(self, mine: list[Observed], per_step: list[TransferCounts]) -> None:
+    def learn_rule(self, mine: list[Observed]) -> None:
         """An undeclared backend's rule, learned from the warmup and first steady step (and
         held on every step), and the prediction by it."""
-        learning = [per_step[s].by_group() for s in LEARNING_STEPS if s < len(per_step)]
-        relaid = any(o.relaid for o in mine)
-        self.rule = learn(
-            self.observations, self.config, self.order, learning, self.env.device.type, relaid
+        self.rule = learn_from_steps(
+            self.observations, self.config, self.order, mine, self.env.device.type
         )
         self.semantics = self.rule.semantics
         self.predict_with(self.semantics)

@@ -52,6 +52,8 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from harness.attribution import COUNTER_FIELDS
+from harness.copyobserver import Observed
 from harness.offload.config import OffloadConfig
 from harness.offload.recorder import GroupObservation
 from harness.offload.semantics import GroupKey, Semantics
@@ -59,8 +61,6 @@ from harness.predict import Expected, group_copies, kept_decisions
 
 LEARNING_STEPS = (0, 1)
 """The steps a rule is learned from: the warmup and the first steady step."""
-
-COUNTER_FIELDS = ("d2h_copies", "d2h_bytes", "h2d_copies", "h2d_bytes")
 
 UNDECIDED = "not decided by this case"
 
@@ -115,7 +115,7 @@ def learn(
     relaid: bool,
 ) -> ObservedRule:
     """The rule that predicts ``measured`` (per group occurrence, of the learning steps in
-    order: ``measured[0]`` is the warmup's) exactly, the first in ``_candidates``' order of
+    order: ``measured[0]`` is the warmup's) exactly, the first in ``_scored``'s order of
     preference; else the closest. ``relaid``: a reload came back with other strides than the
     saved tensor's (the layout baseline then applies)."""
     layout = "contiguous" if relaid else "saved"
@@ -146,6 +146,22 @@ def learn(
         steps=steps,
         misfits=misses,
     )
+
+
+def learn_from_steps(
+    observations: Sequence[GroupObservation],
+    config: OffloadConfig,
+    order: Sequence[tuple[str, int]],
+    steps: Sequence[Observed],
+    device_type: str,
+) -> ObservedRule:
+    """``learn`` from an offload run's observed steps (the model's own copies removed, step 0
+    first): the learning steps' copies by the harness's windows, and whether any reload of any
+    step came back with other strides than the saved tensor's."""
+    mode = "device" if device_type == "cuda" else "cpu"
+    learning = [steps[s].counts(mode).by_group() for s in LEARNING_STEPS if s < len(steps)]
+    relaid = any(o.relaid for o in steps)
+    return learn(observations, config, order, learning, device_type, relaid)
 
 
 Fields = tuple[int, int, int, int]

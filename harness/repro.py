@@ -35,7 +35,7 @@ from harness.commands import (  # the builders' old home: importable from here t
 from harness.compare import first_divergence, first_tensor_difference, loss_table, verdict
 from harness.execute import first_grad_difference
 from harness.golden import trace_text
-from harness.learn import LEARNING_STEPS, learn
+from harness.learn import learn_from_steps
 from harness.models.hybrid import HybridModel
 from harness.observe import Observed, Windowed, corrupted_reloads, observe
 from harness.offload.backends import capabilities, resolve_backend
@@ -160,13 +160,10 @@ def rule_line(
     declared = capabilities(spec.backend).semantics
     if declared is not None:
         return f"declared rule: {declared.label}"
-    mode = "device" if spec.device.type == "cuda" else "cpu"
     mine = [s.without(own) for s in seen]
-    learning = [m.counts(mode).by_group() for m in mine[: len(LEARNING_STEPS)]]
     order = schedule_order(spec.run.schedule, spec.run.microbatches)
     config = spec.case.offload_config()
-    relaid = any(m.relaid for m in mine)
-    return learn(observations, config, order, learning, spec.device.type, relaid).line
+    return learn_from_steps(observations, config, order, mine, spec.device.type).line
 
 
 # ------------------------------------------------------------------------- layer outputs
