@@ -466,22 +466,30 @@ def test_leaves_a_thread():
 """
 
 
+def _child_pytest(
+    folder: Path, args: list[str], timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """``pytest -p harness.plugin <args> --device cpu`` in ``folder``, in one process (no xdist,
+    no report folder), on this worker's share of the cores."""
+    from child_pytest import pytest_command
+
+    argv = pytest_command("-p", "harness.plugin", *args, "--device", "cpu")
+    return subprocess.run(
+        [*argv, "--report-dir", "", "-p", "no:xdist"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=warm.confine,
+    )
+
+
 @pytest.mark.heavy
 def test_a_pytest_session_ends_past_a_thread_nobody_joins(backends: Path) -> None:
     """A session whose in-process case leaves a non-daemon thread running still ends, with its
     own exit status, naming the thread."""
-    from child_pytest import pytest_command
-
     (backends / "test_stray.py").write_text(STRAY)
-    argv = pytest_command("-p", "harness.plugin", "test_stray.py", "--device", "cpu")
-    done = subprocess.run(
-        [*argv, "--report-dir", "", "-p", "no:xdist"],
-        cwd=backends,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        preexec_fn=warm.confine,
-    )
+    done = _child_pytest(backends, ["test_stray.py"], timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "not waiting for thread(s) 'prefetch'" in done.stderr
 
@@ -490,8 +498,6 @@ def test_a_pytest_session_ends_past_a_thread_nobody_joins(backends: Path) -> Non
 def test_under_pytest_an_offloader_error_fails_one_test_naming_where(backends: Path) -> None:
     """The pytest path of the same judge: the first case test that reads the failed run fails
     with the exception and where it was raised; the case's other tests skip, pointing to it."""
-    from child_pytest import pytest_command
-
     root = HERE.parent / "cases"
     tests = [
         f"{root}/test_equivalence.py::test_loss_equivalence[{CASE}]",
@@ -499,15 +505,7 @@ def test_under_pytest_an_offloader_error_fails_one_test_naming_where(backends: P
         f"{root}/test_transfers.py::test_transfer_counts[{CASE}]",
         f"{root}/test_transfers.py::test_no_weight_offloaded[{CASE}]",
     ]
-    argv = pytest_command("-p", "harness.plugin", *tests, "--device", "cpu", "-rs")
-    done = subprocess.run(
-        [*argv, "--backend", "offloaders:BoomUnpack", "--report-dir", "", "-p", "no:xdist"],
-        cwd=backends,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        preexec_fn=warm.confine,
-    )
+    done = _child_pytest(backends, [*tests, "-rs", "--backend", "offloaders:BoomUnpack"])
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
     assert "1 failed, 3 skipped" in out, out
@@ -519,19 +517,9 @@ def test_under_pytest_an_offloader_error_fails_one_test_naming_where(backends: P
 
 @pytest.mark.heavy
 def test_under_pytest_kept_references_pass_the_zero3_transfer_tests(backends: Path) -> None:
-    from child_pytest import pytest_command
-
     root = HERE.parent / "cases"
     tests = [f"{root}/test_transfers.py::test_transfer_counts[{name}]" for name in ZERO3]
-    argv = pytest_command("-p", "harness.plugin", *tests, "--device", "cpu")
-    done = subprocess.run(
-        [*argv, "--backend", "offloaders:Keep", "--report-dir", "", "-p", "no:xdist"],
-        cwd=backends,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        preexec_fn=warm.confine,
-    )
+    done = _child_pytest(backends, [*tests, "--backend", "offloaders:Keep"])
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "2 passed" in out, out
