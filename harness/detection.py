@@ -106,14 +106,19 @@ class BrokenBackend:
     def matching(self, check: str, problems: Iterable[str]) -> str | None:
         """The first problem line of ``check``'s failure that shows this entry's bug class, with
         the line it heads where it is a header (None: it failed for another reason)."""
-        pattern = self.reason(check)
-        lines = [line.strip() for p in problems for line in p.splitlines() if line.strip()]
-        for index, line in enumerate(lines):
-            if pattern.search(line):
-                # a header line ("...:") with the first line it heads, which names the group
-                follows = line.endswith(":") and index + 1 < len(lines)
-                return f"{line} {lines[index + 1]}" if follows else line
-        return None
+        return first_match(self.reason(check), problems)
+
+
+def first_match(pattern: re.Pattern[str], problems: Iterable[str]) -> str | None:
+    """The first problem line ``pattern`` finds, with the line it heads where it is a header
+    (ends with ``:``); None where no line matches."""
+    lines = [line.strip() for p in problems for line in p.splitlines() if line.strip()]
+    for index, line in enumerate(lines):
+        if pattern.search(line):
+            # a header line ("...:") with the first line it heads, which names the group
+            follows = line.endswith(":") and index + 1 < len(lines)
+            return f"{line} {lines[index + 1]}" if follows else line
+    return None
 
 
 # The default-matrix rows the catalogue names, by their fields (a row's id is derived from them;

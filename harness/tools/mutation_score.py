@@ -45,7 +45,7 @@ import torch
 
 from harness import settings
 from harness.cases import Case, default_matrix
-from harness.detection import CATALOGUE, BrokenBackend, entry
+from harness.detection import CATALOGUE, BrokenBackend, entry, first_match
 from harness.environment import Environment
 from harness.judge import CHECKS, judge
 from harness.offload.backends import parse_race_delays, resolve_backend, with_delays
@@ -117,7 +117,7 @@ def find(case: Case, env: Environment, broken: BrokenBackend) -> Finding:
             continue
         line = broken.matching(outcome.name, outcome.problems)
         if line is None and env.undeclared and outcome.name == "transfers":
-            line = _unexplained(outcome.problems)
+            line = first_match(UNEXPLAINED, outcome.problems)
         if line is not None:
             return Finding(check=outcome.name, matched=_short(line))
         first = _summary(list(outcome.problems))
@@ -131,14 +131,6 @@ UNEXPLAINED = re.compile(r"^no single rule explains its copies in steps? ")
 """How the transfer check says that an undeclared backend's copies fit no rule it could have
 (``harness.learn``): with the declarations hidden (``--undeclared``) that is the learned-rule
 form of "counted vs prediction", so it counts as a transfers catch."""
-
-
-def _unexplained(problems: tuple[str, ...]) -> str | None:
-    lines = [line.strip() for p in problems for line in p.splitlines() if line.strip()]
-    for index, line in enumerate(lines):
-        if UNEXPLAINED.search(line):
-            return f"{line} {lines[index + 1]}" if index + 1 < len(lines) else line
-    return None
 
 
 RAISED = "the case's runs raised"
