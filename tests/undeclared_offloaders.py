@@ -54,7 +54,6 @@ class _Base:
         self.enabled = True
         self.marked: list[torch.Tensor] = []
         self.step = 0
-        self.microbatch = 0
 
     # what stays on the device: subclasses choose
     def stays(self, t: torch.Tensor) -> bool:
@@ -88,7 +87,7 @@ class _Base:
         self.marked += [t for t in tensors if isinstance(t, torch.Tensor)]
 
     def begin_microbatch(self, microbatch: int) -> None:
-        self.microbatch = microbatch
+        return None  # nothing is keyed by microbatch
 
     def end_iteration(self) -> None:
         self.marked.clear()
