@@ -1,14 +1,19 @@
 """Import arrows point one way: every module of ``harness/`` belongs to one layer, and a module
 imports only from its own layer or the layers below it.
 
-    vocabulary -> offload -> models -> measure -> verify -> diagnose -> run -> top
+    vocabulary -> offload -> models -> measure -> execute -> verify -> diagnose -> run -> top
+
+A stage is a folder of ``harness/`` (``FOLDERS``: ``vocab/`` and ``util/`` are the vocabulary,
+``plugin/``, ``tools/`` and ``testing/`` the top); the few modules on top of ``harness/`` are
+placed one by one (``TOP_LEVEL``).
 
 ``top`` is the command line, the pytest plugin and the tools (and the test helpers). Reporting
 is a leaf beside the stack: it imports only the vocabulary (and itself), and only ``verify``
 and the layers above it import it. The offloaders never import the prediction or the case
 table, the checks never import the reproduction.
 
-``LAYER`` places every module (a module missing from it fails, so a new module must be placed);
+``LAYER`` places every module by its folder (a module in an unplaced folder, or a new one on top
+of ``harness/``, fails, so a new module must be placed);
 ``ALLOWED`` lists the arrows that still point the wrong way, each with its reason. The imports
 are read with ``ast``: module-level and function-level ``import`` / ``from ... import`` of
 ``harness.*``, relative imports resolved, ``TYPE_CHECKING`` imports included.
@@ -25,152 +30,65 @@ import harness
 
 ROOT = Path(harness.__file__).parent
 
-ORDER = ("vocabulary", "offload", "models", "measure", "verify", "diagnose", "run", "top")
+ORDER = (
+    "vocabulary",
+    "offload",
+    "models",
+    "measure",
+    "execute",
+    "verify",
+    "diagnose",
+    "run",
+    "top",
+)
 """The stack, lowest first; ``reporting`` is the leaf beside it."""
 REPORTING = "reporting"
 REPORTING_USERS = ORDER[ORDER.index("verify") :]
 """The layers that may import reporting."""
 
-_VOCABULARY = (
-    # the tables every layer reads, and utilities that import no other harness module
-    "harness",
-    "harness.groups",
-    "harness.impls",
-    "harness.spec",
-    "harness.distributed",
-    "harness.progress",
-    "harness.globalstate",
-    "harness.lifeline",
-    "harness.forkserver",
-    "harness.forkserver_guard",
-    "harness.leftovers",
-    "harness.sanitizer",
-    "harness.bytecode",
-    "harness.compare",
-    "harness.fingerprint",
-)
-_OFFLOAD = (
-    "harness.offload",
-    "harness.offload.adapters",
-    "harness.offload.backends",
-    "harness.offload.broken",
-    "harness.offload.config",
-    "harness.offload.copies",
-    "harness.offload.groupstate",
-    "harness.offload.layout",
-    "harness.offload.mcore",
-    "harness.offload.passthrough",
-    "harness.offload.policy",
-    "harness.offload.pool",
-    "harness.offload.protocol",
-    "harness.offload.ranges",
-    "harness.offload.recorder",
-    "harness.offload.reference",
-    "harness.offload.semantics",
-)
-_MODELS = (
-    "harness.models",
-    "harness.models.hybrid",
-    "harness.models.layers",
-    "harness.models.moe",
-    "harness.models.mcore",
-    "harness.models.mcore.bridge",
-    "harness.models.mcore.build",
-    "harness.models.mcore.config",
-    "harness.models.mcore.loop",
-    "harness.models.mcore.sharding",
-    "harness.runs",
-    "harness.train",
-)
-_MEASURE = (
-    "harness.cases",  # the case table: what a run measures
-    "harness.execute",
-    "harness.environment",  # where and with what a case runs
-    "harness.attribution",
-    "harness.baselines",  # the plain baseline and memory reading rows share
-    "harness.caserun",
-    "harness.memory",  # the memory case's reading
-    "harness.observe",
-    "harness.copyobserver",
-    "harness.checksums",
-    "harness.transfers",
-    "harness.timeline",
-    "harness.predict",
-    "harness.learn",
-    "harness.syncguard",
-    "harness.hostclock",
-)
-_VERIFY = (
-    "harness.checks",
-    "harness.judge",
-    "harness.golden",
-    "harness.detection",
-    "harness.commands",
-)
-_DIAGNOSE = ("harness.bisect", "harness.repro")
-_RUN = ("harness.session", "harness.parallel", "harness.settings")
-_TOP = (
-    "harness.__main__",
-    "harness.entry",
-    "harness.cli",
-    "harness.plugin",
-    "harness.plugin.cases",
-    "harness.plugin.dist",
-    "harness.plugin.models",
-    "harness.plugin.options",
-    "harness.plugin.properties",
-    "harness.plugin.report",
-    "harness.plugin.stopping",
-    "harness.plugin.workers",
-    "harness.testing",
-    "harness.testing.autograd",
-    "harness.testing.strategies",
-    "harness.tools",
-    "harness.tools.bench",
-    "harness.tools.bench.__main__",
-    "harness.tools.bench.cli",
-    "harness.tools.bench.common",
-    "harness.tools.bench.copies",
-    "harness.tools.bench.driver",
-    "harness.tools.bench.hosttime",
-    "harness.tools.bench.measure",
-    "harness.tools.bench.models",
-    "harness.tools.bench.output",
-    "harness.tools.bench.peers",
-    "harness.tools.bench.phases",
-    "harness.tools.bench.targets",
-    "harness.tools.bench.trace",
-    "harness.tools.bench_offload",
-    "harness.tools.host_profile",
-    "harness.tools.mutation_score",
-    "harness.tools.nightly",
-)
-_REPORTING = ("harness.report", "harness.html", "harness.plots")
-
-LAYER: dict[str, str] = {
-    module: layer
-    for layer, modules in (
-        ("vocabulary", _VOCABULARY),
-        ("offload", _OFFLOAD),
-        ("models", _MODELS),
-        ("measure", _MEASURE),
-        ("verify", _VERIFY),
-        ("diagnose", _DIAGNOSE),
-        ("run", _RUN),
-        ("top", _TOP),
-        (REPORTING, _REPORTING),
-    )
-    for module in modules
+FOLDERS: dict[str, str] = {
+    # harness/<folder>/ -> its layer: a folder is a pipeline stage
+    "vocab": "vocabulary",  # the tables every layer reads
+    "util": "vocabulary",  # utilities that import no other layer
+    "offload": "offload",
+    "models": "models",  # our models, megatron-core's, and the training loop
+    "measure": "measure",  # the instruments
+    "execute": "execute",  # a case's runs: prediction, baselines, attribution
+    "verify": "verify",  # checks, judge, golden traces, the catalogue's catchers
+    "diagnose": "diagnose",  # repro, bisection
+    "run": "run",  # settings, session, worker pool, forkserver
+    "plugin": "top",
+    "tools": "top",
+    "testing": "top",
+    "reporting": REPORTING,
 }
-"""Every module of ``harness/`` (recursively) -> its layer."""
+"""Every folder of ``harness/`` and the layer of every module in it."""
+
+TOP_LEVEL: dict[str, str] = {
+    "harness": "vocabulary",
+    "harness.cases": "models",  # the case table: data over the vocabulary and offload config
+    "harness.__main__": "top",
+    "harness.entry": "top",
+    "harness.cli": "top",
+}
+"""The modules that sit on top of ``harness/``, outside the stage folders."""
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of a module of ``harness/``: its folder's, or its own entry in ``TOP_LEVEL``."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and parts[1] in FOLDERS):
+        return FOLDERS.get(parts[1])
+    return TOP_LEVEL.get(module)
+
 
 ALLOWED: dict[tuple[str, str], str] = {
     # (importer, imported): why the arrow still points the wrong way
-    ("harness.models.mcore.bridge", "harness.observe"): (
+    ("harness.models.mcore.bridge", "harness.measure.observe"): (
         "a native run's wiring (_wired) hands the harness windows (isinstance Windowed) to "
         "megatron-core's manager's watcher (McoreOffloader.native), which tells them each group"
     ),
-    ("harness.html", "harness.settings"): (
+    ("harness.reporting.html", "harness.run.settings"): (
         "index.html resolves the plots setting (PLOTS_VARIABLE, resolve_plots) where it renders"
     ),
 }
@@ -211,6 +129,12 @@ def imports(source: str, module: str, *, package: bool, known: set[str]) -> set[
     return {name for name in found if name == "harness" or name.startswith("harness.")} - {module}
 
 
+LAYER: dict[str, str] = {
+    name: layer for name in harness_modules() if (layer := layer_of(name)) is not None
+}
+"""Every module of ``harness/`` (recursively) that has a layer -> its layer."""
+
+
 def allowed(importer: str, imported: str) -> bool:
     """Whether a module of layer ``importer`` may import one of layer ``imported``."""
     if importer == REPORTING:
@@ -249,11 +173,12 @@ def _sources() -> dict[str, tuple[str, bool]]:
 
 
 def test_every_module_has_a_layer() -> None:
-    modules = set(harness_modules())
-    missing = sorted(modules - set(LAYER))
-    assert not missing, f"modules without a layer (place them in tests/test_layers.py): {missing}"
-    gone = sorted(set(LAYER) - modules)
-    assert not gone, f"LAYER names modules that do not exist: {gone}"
+    """A module in a folder that is not a stage, or a new module on top of ``harness/``, fails:
+    place it in a stage folder (or, for a new stage, in ``FOLDERS``)."""
+    missing = sorted(name for name in harness_modules() if layer_of(name) is None)
+    assert not missing, f"modules without a layer (see FOLDERS in tests/test_layers.py): {missing}"
+    folders = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(FOLDERS), (sorted(folders - set(FOLDERS)), sorted(set(FOLDERS) - folders))
     assert set(LAYER.values()) <= {*ORDER, REPORTING}
 
 
@@ -278,11 +203,11 @@ def test_allowed_wrong_way_arrows_still_exist() -> None:
 @pytest.mark.parametrize(
     ("source", "package"),
     [
-        ("from harness.predict import Semantics\n", False),
-        ("def rule():\n    from harness import predict\n    return predict\n", False),
-        ("import harness.predict\n", False),
-        ("from ..predict import skip_reason\n", False),
-        ("from .. import predict\n", False),
+        ("from harness.execute.predict import Semantics\n", False),
+        ("def rule():\n    from harness.execute import predict\n    return predict\n", False),
+        ("import harness.execute.predict\n", False),
+        ("from ..execute.predict import skip_reason\n", False),
+        ("from ..execute import predict\n", False),
     ],
     ids=["from", "function-level", "import", "relative", "relative-package"],
 )
@@ -293,24 +218,26 @@ def test_a_wrong_way_import_is_flagged(source: str, package: bool) -> None:
     layer = {**LAYER, "harness.offload.injected": "offload"}
     problems = wrong_way(sources, layer, exceptions={})
     assert problems == [
-        "harness.offload.injected (offload) imports harness.predict (measure): "
-        "offload may not import measure"
+        "harness.offload.injected (offload) imports harness.execute.predict (execute): "
+        "offload may not import execute"
     ]
 
 
 def test_reporting_is_a_leaf() -> None:
     layer = {**LAYER, "harness.offload.injected": "offload", "harness.injected": REPORTING}
-    into = {"harness.offload.injected": ("from harness.report import run_folder\n", False)}
+    into = {
+        "harness.offload.injected": ("from harness.reporting.report import run_folder\n", False)
+    }
     assert wrong_way(into, layer, exceptions={}) == [
-        "harness.offload.injected (offload) imports harness.report (reporting): "
+        "harness.offload.injected (offload) imports harness.reporting.report (reporting): "
         "offload may not import reporting"
     ]
-    out = {"harness.injected": ("from harness.execute import Environment\n", False)}
+    out = {"harness.injected": ("from harness.execute.steps import Environment\n", False)}
     assert wrong_way(out, layer, exceptions={}) == [
-        "harness.injected (reporting) imports harness.execute (measure): "
-        "reporting may not import measure"
+        "harness.injected (reporting) imports harness.execute.steps (execute): "
+        "reporting may not import execute"
     ]
-    fine = {"harness.injected": ("from harness.spec import ModelSpec\n", False)}
+    fine = {"harness.injected": ("from harness.vocab.spec import ModelSpec\n", False)}
     assert wrong_way(fine, layer, exceptions={}) == []
 
 
@@ -320,16 +247,24 @@ def test_the_checker_reads_a_module_file(tmp_path: Path) -> None:
     root = tmp_path / "harness"
     (root / "offload").mkdir(parents=True)
     (root / "__init__.py").write_text("")
-    (root / "predict.py").write_text("")
+    (root / "execute").mkdir()
+    (root / "execute" / "__init__.py").write_text("")
+    (root / "execute" / "predict.py").write_text("")
     (root / "offload" / "__init__.py").write_text("")
-    (root / "offload" / "bad.py").write_text("from harness.predict import Semantics\n")
+    (root / "offload" / "bad.py").write_text("from harness.execute.predict import Semantics\n")
     sources = {
         name: (path.read_text(), path.name == "__init__.py")
         for name, path in harness_modules(root).items()
     }
-    assert set(sources) == {"harness", "harness.predict", "harness.offload", "harness.offload.bad"}
+    assert set(sources) == {
+        "harness",
+        "harness.execute",
+        "harness.execute.predict",
+        "harness.offload",
+        "harness.offload.bad",
+    }
     layer = {**LAYER, "harness.offload.bad": "offload"}
     assert wrong_way(sources, layer, exceptions={}) == [
-        "harness.offload.bad (offload) imports harness.predict (measure): "
-        "offload may not import measure"
+        "harness.offload.bad (offload) imports harness.execute.predict (execute): "
+        "offload may not import execute"
     ]
