@@ -164,7 +164,7 @@ def test_capability_records() -> None:
     assert backend_unavailable(f"{__name__}:_declared+delays", CPU) == "not on cpu"
     with pytest.raises(ValueError, match=r"not a harness\.offload\.protocol\.Capabilities"):
         resolve_backend(f"{__name__}:_malformed")
-    with pytest.raises(ValueError, match=r"not a harness\.predict\.Semantics"):
+    with pytest.raises(ValueError, match=r"not a harness\.offload\.semantics\.Semantics"):
         resolve_backend(f"{__name__}:_wrong_semantics")
 
 

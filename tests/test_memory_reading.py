@@ -11,7 +11,7 @@ import torch
 
 from harness.cases import MCORE_ROWS, SEED_CASE, Case
 from harness.execute.memory import MemoryResult
-from harness.execute.steps import baselines, environment, memory
+from harness.execute import baselines, environment, memory
 from harness.verify.checks import memory_problems
 
 

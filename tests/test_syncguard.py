@@ -13,7 +13,7 @@ import torch
 
 from harness.execute.environment import Environment
 from harness.execute.steps import run_case
-from harness.execute.steps import steps as execute
+from harness.execute import steps as execute
 from harness.measure import syncguard
 from harness.measure.syncguard import (
     GUARDED_STEP,

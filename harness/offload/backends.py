@@ -304,7 +304,7 @@ def _declared(factory: Factory, shown: str) -> Capabilities:
     if record.semantics is not None and not isinstance(record.semantics, Semantics):
         raise ValueError(
             f"backend {shown!r}: its capabilities' semantics is a "
-            f"{type(record.semantics).__name__}, not a harness.execute.predict.Semantics"
+            f"{type(record.semantics).__name__}, not a harness.offload.semantics.Semantics"
         )
     return record
 
