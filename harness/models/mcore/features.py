@@ -26,14 +26,13 @@ import importlib.util
 import inspect
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from harness.fingerprint import megatron_core_source
 from harness.groups import GROUPS
 
 OFFLOAD = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
@@ -355,48 +354,10 @@ def names_line(offered: tuple[str, ...], version: str) -> str | None:
     return f"megatron-core {version} " + "; ".join(parts) if parts else None
 
 
-@functools.cache
 def source() -> dict[str, str]:
-    """The installed megatron-core's distribution version, commit (where one is known) and
-    folder, read from package metadata and git, never from an import: ``version`` ``-`` and the
-    rest empty when none is installed."""
-    spec = importlib.util.find_spec("megatron.core") if installed() else None
-    if spec is None or not spec.submodule_search_locations:
-        return {"version": "-", "commit": "", "path": ""}
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    try:
-        version = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        version = "(no distribution metadata)"
-    return {"version": version, "commit": _commit(version, folder), "path": str(folder)}
-
-
-def _commit(version: str, folder: Path) -> str:
-    """A build of ``scripts/mcore_main`` carries its commit as the local label (``+g<sha>``); an
-    editable Megatron-LM checkout is a git work tree whose ``megatron/core`` is ``folder``;
-    a release from the index has none."""
-    _, _, local = version.partition("+")
-    if local.startswith("g") and len(local) > 7:
-        return local[1:]
-    try:
-        top = subprocess.run(
-            ["git", "-C", str(folder), "rev-parse", "--show-toplevel", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    if len(top) == 2 and (Path(top[0]) / "megatron" / "core").resolve() == folder.resolve():
-        dirty = subprocess.run(
-            ["git", "-C", top[0], "status", "--porcelain", "--", "megatron"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-        return top[1] + ("-dirty" if dirty else "")
-    return ""
+    """The installed megatron-core's version, commit and folder
+    (``harness.fingerprint.megatron_core_source``: metadata and git, no import)."""
+    return megatron_core_source()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
