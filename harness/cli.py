@@ -38,8 +38,9 @@ from harness.cases import (
 )
 from harness.environment import Environment
 from harness.html import render_index
-from harness.impls import family_impl, impl_unavailable
+from harness.impls import IMPLS, family_impl, impl_unavailable
 from harness.judge import judge
+from harness.models.mcore import features as mcore_features
 from harness.offload.backends import (
     backend_names,
     backend_unavailable,
@@ -349,6 +350,8 @@ def command_run(args: argparse.Namespace) -> int:
         nvte_cpu_offload_v1=args.settings.nvte_cpu_offload_v1,
         cuda_sanitizer=args.settings.cuda_sanitizer,
     )
+    if any(IMPLS[case.impl].family == "mcore" for case in cases):  # which megatron-core ran
+        fields["megatron_core"] = mcore_features.summary_record()
     report = _ReportWriter(folder)
     records: list[dict[str, Any] | None] = [None] * len(cases)
     start = time.perf_counter()

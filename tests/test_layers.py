@@ -77,6 +77,7 @@ _MODELS = (
     "harness.models.mcore.bridge",
     "harness.models.mcore.build",
     "harness.models.mcore.config",
+    "harness.models.mcore.features",
     "harness.models.mcore.loop",
     "harness.models.mcore.sharding",
     "harness.runs",

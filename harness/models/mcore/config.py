@@ -61,7 +61,9 @@ def unavailable_reason(device: torch.device | str) -> str | None:
                 f"impl 'mcore' needs TransformerEngine and megatron-core "
                 f"(docs/megatron-core.md): import {module} failed: {first}"
             )
-    return None
+    from harness.models.mcore.features import required_missing
+
+    return required_missing()  # a megatron-core without what the bridge needs: one line
 
 
 def ensure_parallel_state(device: torch.device) -> None:
@@ -246,6 +248,8 @@ def knob_fields(spec: ModelSpec) -> dict[str, Any]:
         fields.update(cuda_graph_impl="local", cuda_graph_modules=["moe_router", "moe_preprocess"])
     if spec.mtp:
         fields["mtp_num_layers"] = spec.mtp_depths
+    if spec.offload_buffer_kib:
+        fields["fine_grained_offloading_buffer_size_gib"] = spec.offload_buffer_kib / (1 << 20)
     return fields
 
 
@@ -257,16 +261,15 @@ def _knob_text(spec: ModelSpec) -> str:
         parts.append(f"CUDA graphs {spec.cuda_graph}")
     if spec.mtp:
         parts.append(f"MTP layers {spec.mtp}")
+    if spec.offload_buffer_kib:
+        parts.append(f"a {spec.offload_buffer_kib} KiB pinned activation buffer")
     return " and ".join(parts)
 
 
 def _version() -> str:
-    try:
-        from importlib.metadata import version
+    from harness.fingerprint import megatron_core_source
 
-        return version("megatron-core")
-    except Exception:  # not installed as a distribution (a source checkout)
-        return "(version unknown)"
+    return megatron_core_source()["version"]
 
 
 STALE_CAPTURE_OVERRIDE = "set_override_stale_capture_stream"

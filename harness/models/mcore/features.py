@@ -441,3 +441,10 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     sys.exit(main())
+
+
+def summary_record() -> dict[str, Any]:
+    """``summary.json``'s ``megatron_core`` of a run with megatron-core's rows: version,
+    commit and folder, and which feature was found (none probed without an install)."""
+    found = {n: f.present for n, f in findings().items()} if installed() else {}
+    return {**source(), "features": found}
