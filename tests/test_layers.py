@@ -143,6 +143,7 @@ _TOP = (
     "harness.tools.bench.trace",
     "harness.tools.bench_offload",
     "harness.tools.host_profile",
+    "harness.tools.mcore_versions",
     "harness.tools.mutation_score",
     "harness.tools.nightly",
 )
