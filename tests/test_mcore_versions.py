@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -316,3 +317,35 @@ def test_report_lines_name_every_feature(monkeypatch: pytest.MonkeyPatch) -> Non
     for name in features.FEATURES:
         assert any(line.split(":")[0].split()[-1] == name for line in lines[1:]), name
     assert lines[-1] == "  every required feature is there"
+
+
+def test_manager_state_is_looked_for_as_assignments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend reads attributes megatron-core makes on CUDA only; the probe looks for
+    their assignments in the source, and names the ones it does not find."""
+    source = "".join(f"        self.{name} = None\n" for name in features.MANAGER_STATE[1:])
+    monkeypatch.setattr(features, "_module", lambda name: types.ModuleType(name))
+    monkeypatch.setattr(features.inspect, "getsource", lambda module: source)
+    with pytest.raises(LookupError, match=r"no assignment of cpu_tensor_pool in "):
+        features._manager_state()
+    compared = source + "        if self.cpu_tensor_pool == other:\n"
+    monkeypatch.setattr(features.inspect, "getsource", lambda module: compared)
+    with pytest.raises(LookupError, match="cpu_tensor_pool"):  # a comparison is no assignment
+        features._manager_state()
+    assigned = source + "        self.cpu_tensor_pool: Pool = Pool()\n"
+    monkeypatch.setattr(features.inspect, "getsource", lambda module: assigned)
+    assert features._manager_state().startswith("the 11 ")
+
+
+def test_a_session_with_megatron_rows_stops_on_a_missing_feature(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from harness.plugin import options
+
+    line = "megatron-core 9.9 lacks X (feature offload_interface, ...); megatron-core 0.19 has it"
+    monkeypatch.setattr(features, "required_missing", lambda: line)
+    cuda = types.SimpleNamespace(family="mcore", device=types.SimpleNamespace(type="cuda"))
+    with pytest.raises(pytest.UsageError, match=re.escape(line)):
+        options._check_megatron_core(cuda)  # type: ignore[arg-type]
+    for family, device in (("harness", "cuda"), ("mcore", "cpu")):
+        other = types.SimpleNamespace(family=family, device=types.SimpleNamespace(type=device))
+        options._check_megatron_core(other)  # type: ignore[arg-type]  # not checked: no raise

@@ -26,6 +26,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Callable
@@ -128,6 +129,32 @@ def _copy_paths() -> str:
     return "ChunkOffloadHandler's bulk offload/reload, push and pop"
 
 
+MANAGER_STATE = (
+    "cpu_tensor_pool",
+    "_cached_chunks_forward",
+    "_is_warmup",
+    "offload_groups",
+    "_offloaded_group_index",
+    "_groups_to_reload",
+    "_tensors",
+    "_offload_event",
+    "d2h_stream",
+    "h2d_stream",
+    "OFFLOAD_MGR",
+)
+"""Instance attributes of megatron-core's manager, chunk handlers and groups the backend reads
+for its iteration log and counters (``harness.offload.mcore``): made on CUDA only, so they are
+looked for as assignments in the module's source."""
+
+
+def _manager_state() -> str:
+    source = inspect.getsource(_module(OFFLOAD))
+    missing = [n for n in MANAGER_STATE if not re.search(rf"\.{n}\b[^\n=]*=(?!=)", source)]
+    if missing:
+        raise LookupError(f"no assignment of {', '.join(missing)} in {OFFLOAD}")
+    return f"the {len(MANAGER_STATE)} manager, chunk and group attributes the log reads"
+
+
 def _hybrid_model() -> str:
     for name in ("megatron.core.models.hybrid.hybrid_model", "megatron.core.models.gpt.gpt_model"):
         if importlib.util.find_spec(name) is None:
@@ -201,6 +228,15 @@ _FEATURES = (
         since="megatron-core 0.19",
         needed_by="the mcore backend's attribution and race delays",
         probe=_copy_paths,
+        required=True,
+    ),
+    Feature(
+        name="manager_state",
+        what="the offload manager's, chunk handlers' and groups' state the backend's log reads "
+        f"({', '.join(MANAGER_STATE)})",
+        since="megatron-core 0.19",
+        needed_by="the mcore backend's iteration log",
+        probe=_manager_state,
         required=True,
     ),
     Feature(
