@@ -97,6 +97,9 @@ class Case:
     """megatron-core's CUDA-graph capture (``ModelSpec.cuda_graph``)."""
     mtp: str = ""
     """Multi-token-prediction layers after the pattern (``ModelSpec.mtp``)."""
+    offload_buffer_kib: int = 0
+    """megatron-core's fixed pinned activation buffer in KiB (``ModelSpec.offload_buffer_kib``);
+    0: none."""
     delta_bytes: int = 0
     """``delta_offload_bytes_across_pp_ranks``: bytes per pipeline rank kept on the device."""
     min_ranks: int = 1
@@ -174,6 +177,8 @@ class Case:
             parts.append(f"graph-{self.cuda_graph}")
         if self.mtp:
             parts.append(f"mtp-{self.mtp}")
+        if self.offload_buffer_kib:
+            parts.append(f"buffer-{self.offload_buffer_kib}KiB")
         if self.sharding != "none":
             parts.append(self.sharding)
         if self.min_ranks != 1:
@@ -192,7 +197,11 @@ class Case:
 
     def model_spec(self, size: str) -> ModelSpec:
         spec = model_spec(self.family, size).replace(
-            impl=self.impl, recompute=self.recompute, cuda_graph=self.cuda_graph, mtp=self.mtp
+            impl=self.impl,
+            recompute=self.recompute,
+            cuda_graph=self.cuda_graph,
+            mtp=self.mtp,
+            offload_buffer_kib=self.offload_buffer_kib,
         )
         return spec.replace(pattern=self.custom_pattern) if self.custom_pattern else spec
 
@@ -477,7 +486,27 @@ MCORE_KNOB_ROWS: tuple[Case, ...] = (
 for the expert knobs): what megatron-core does - passes, moves less than configured, refuses -
 is the row's verdict (a configuration 0.19 refuses skips with its message)."""
 
-MCORE_FAMILY: tuple[Case, ...] = MCORE_ROWS + MCORE_SHARDED_ROWS + MCORE_KNOB_ROWS
+MCORE_MAIN_ROWS: tuple[Case, ...] = (
+    _SEED_MCORE.replace(
+        sharding="mfsdp-v2",
+        description="the seed under the upstream Megatron-FSDP v2 adapter "
+        "(megatron_fsdp_version=2, FullyShardedOptimizer), the seed's settings",
+    ),
+    _SEED_MCORE.replace(
+        offload_buffer_kib=1 << 20,
+        description="megatron-core's fixed pinned activation buffer at 1 GiB (fits the seed)",
+    ),
+    _SEED_MCORE.replace(
+        offload_buffer_kib=1,
+        description="megatron-core's fixed pinned activation buffer at 1 KiB, smaller than any "
+        "offloaded tensor: megatron-core's own error is the verdict",
+    ),
+)
+"""Rows for what upstream main adds (``harness.models.mcore.features``): each skips with the
+feature's one line where the installed megatron-core lacks it (the sharding's or the buffer's
+feature). No row selects ``gdp_qkv``: no model the harness builds opens it."""
+
+MCORE_FAMILY: tuple[Case, ...] = MCORE_ROWS + MCORE_SHARDED_ROWS + MCORE_KNOB_ROWS + MCORE_MAIN_ROWS
 """Every row of ``--family mcore``."""
 
 FAMILY_CHOICES = ("harness", "mcore", "all")

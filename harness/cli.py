@@ -36,6 +36,7 @@ from harness.cases import (
 )
 from harness.diagnose.repro import ReproSpec, reproduce
 from harness.execute.environment import Environment
+from harness.models.mcore import features as mcore_features
 from harness.offload.backends import (
     backend_names,
     backend_unavailable,
@@ -59,7 +60,7 @@ from harness.run.session import run_cases
 from harness.tools import TOOLS
 from harness.util.bytecode import missing_bytecode
 from harness.verify.judge import judge
-from harness.vocab.impls import family_impl, impl_unavailable
+from harness.vocab.impls import IMPLS, family_impl, impl_unavailable
 from harness.vocab.spec import PRECISIONS, PRESETS, SCHEDULES, check_fits, parse_pattern, preset
 
 
@@ -349,6 +350,8 @@ def command_run(args: argparse.Namespace) -> int:
         nvte_cpu_offload_v1=args.settings.nvte_cpu_offload_v1,
         cuda_sanitizer=args.settings.cuda_sanitizer,
     )
+    if any(IMPLS[case.impl].family == "mcore" for case in cases):  # which megatron-core ran
+        fields["megatron_core"] = mcore_features.summary_record()
     report = _ReportWriter(folder)
     records: list[dict[str, Any] | None] = [None] * len(cases)
     start = time.perf_counter()

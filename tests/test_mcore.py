@@ -10,7 +10,13 @@ import torch
 
 from harness.offload.backends import backend_names, capabilities, resolve_backend
 from harness.offload.config import OffloadConfig
-from harness.offload.mcore import McoreOffloader, provide_te_flag, unavailable_reason
+from harness.offload.mcore import (
+    SEMANTICS_0_19,
+    McoreOffloader,
+    installed_semantics,
+    provide_te_flag,
+    unavailable_reason,
+)
 from harness.offload.semantics import MEGATRON_MAIN
 
 CONFIG = OffloadConfig(offload_modules=("core_attn", "attn_proj"), min_offloaded_tensor_size=1024)
@@ -22,10 +28,11 @@ def test_registered_by_name() -> None:
 
 
 def test_declares_its_version_semantics() -> None:
-    assert McoreOffloader.semantics != MEGATRON_MAIN
+    """The record declares the installed megatron-core's rules (0.19's without one)."""
+    assert McoreOffloader.semantics == SEMANTICS_0_19 != MEGATRON_MAIN
     for name in ("mcore", "mcore.inline-wait", "mcore+delays", "mcore.inline-wait+delays"):
         record = capabilities(name)
-        assert record.semantics == McoreOffloader.semantics and record.race_delays, name
+        assert record.semantics == installed_semantics() and record.race_delays, name
         assert record.unavailable is unavailable_reason, name
     assert capabilities("mcore.inline-wait").description != capabilities("mcore").description
 
@@ -91,8 +98,8 @@ def test_native_watch_patches_megatron_and_restores_it() -> None:
 
     class Interface:
         @staticmethod
-        def reset() -> None:
-            seen.append(("reset",))
+        def reset(process_group: object = None) -> None:  # main's signature; 0.19's takes none
+            seen.append(("reset",) if process_group is None else ("reset", process_group))
 
         @staticmethod
         def init_chunk_handler(*args: object, **kwargs: object) -> None:
@@ -119,6 +126,7 @@ def test_native_watch_patches_megatron_and_restores_it() -> None:
         assert mcore.fine_grained_offloading_group_start(x, "core_attn") is x
         mcore.fine_grained_offloading_group_offload(x, "core_attn", [], False)
         Interface.reset()
+        Interface.reset(process_group="tp_dp_cp")  # as main's schedules call it
         off.end_iteration()
     assert off._microbatch == 1
     assert seen == [
@@ -127,6 +135,8 @@ def test_native_watch_patches_megatron_and_restores_it() -> None:
         ("commit",),
         ("log",),
         ("reset",),
+        ("log",),
+        ("reset", "tp_dp_cp"),
     ]
     assert mcore.fine_grained_offloading_group_start is group_start
     assert mcore.fine_grained_offloading_group_offload is group_offload

@@ -131,7 +131,10 @@ def test_family_selects_rows() -> None:
     ("changes", "message"),
     [
         (dict(schedule="1f1b"), "impl 'mcore' runs schedule sequential, not '1f1b'"),
-        (dict(sharding="zero3"), "impl 'mcore' runs sharding none or mfsdp or mfsdp2, not 'zero3'"),
+        (
+            dict(sharding="zero3"),
+            "impl 'mcore' runs sharding none or mfsdp or mfsdp2 or mfsdp-v2, not 'zero3'",
+        ),
         (dict(eval_first=True), "impl 'mcore' runs no evaluation pass before the first step"),
     ],
     ids=["1f1b", "zero3", "evalfirst"],

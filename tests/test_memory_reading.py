@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from harness.cases import MCORE_ROWS, SEED_CASE, Case
-from harness.execute.memory import MemoryResult
 from harness.execute import baselines, environment, memory
+from harness.execute.memory import MemoryResult
 from harness.verify.checks import memory_problems
 
 

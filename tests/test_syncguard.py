@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from harness.execute import steps as execute
 from harness.execute.environment import Environment
 from harness.execute.steps import run_case
-from harness.execute import steps as execute
 from harness.measure import syncguard
 from harness.measure.syncguard import (
     GUARDED_STEP,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import re
@@ -39,6 +40,8 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
+
+from harness.util.installed import megatron_core_source
 
 UNKNOWN = "?"
 """The value of a field that was not recorded."""
@@ -251,6 +254,9 @@ def _library_versions() -> tuple[tuple[str, str], ...]:
             found.append((field, importlib.metadata.version(distribution)))
         except importlib.metadata.PackageNotFoundError:
             continue
+    commit = megatron_core_source()["commit"]
+    if commit:  # a build of a Megatron-LM commit or a checkout (a release has none)
+        found.insert(1, ("megatron_core_commit", commit))
     return tuple(found)
 
 

@@ -17,6 +17,7 @@ cycles (``harness.offload.reference.RaceDelays``; about 2000 cycles per microsec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import json
@@ -95,7 +96,11 @@ def describe(name: str) -> str:
 def capabilities(spec: str) -> Capabilities:
     """The ``Capabilities`` record a backend's factory declares (``harness.offload.protocol``),
     or ``UNDECLARED`` for a factory that declares none."""
-    return _declared(resolve_backend(spec), spec)
+    record = _declared(resolve_backend(spec), spec)
+    if callable(record.semantics):  # read from the installed library when first asked
+        record = dataclasses.replace(record, semantics=record.semantics())
+        _declared_semantics(record.semantics, spec)
+    return record
 
 
 def parse_race_delays(text: str) -> RaceDelays:
@@ -301,12 +306,17 @@ def _declared(factory: Factory, shown: str) -> Capabilities:
             f"backend {shown!r}: its factory's capabilities is a {type(record).__name__}, not a "
             "harness.offload.protocol.Capabilities"
         )
-    if record.semantics is not None and not isinstance(record.semantics, Semantics):
+    if not callable(record.semantics):  # a function returning one is checked when called
+        _declared_semantics(record.semantics, shown)
+    return record
+
+
+def _declared_semantics(semantics: object, shown: str) -> None:
+    if semantics is not None and not isinstance(semantics, Semantics):
         raise ValueError(
             f"backend {shown!r}: its capabilities' semantics is a "
-            f"{type(record.semantics).__name__}, not a harness.offload.semantics.Semantics"
+            f"{type(semantics).__name__}, not a harness.offload.semantics.Semantics"
         )
-    return record
 
 
 def _import_here_too(module_name: str) -> object:

@@ -35,6 +35,8 @@ Three things megatron-core expects from its surroundings are provided here:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import importlib
 import inspect
 import sys
@@ -51,8 +53,9 @@ from harness.offload.passthrough import PassThroughGroup
 from harness.offload.protocol import Capabilities, GroupRecord, IterationLog, Output, declare
 from harness.offload.ranges import profiler_range
 from harness.offload.reference import RaceDelays
-from harness.offload.semantics import Semantics
+from harness.offload.semantics import COVERAGE, Semantics
 from harness.util import distributed
+from harness.util.installed import megatron_core_source
 
 MODULE = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
 TE_EXTENSION = "megatron.core.extensions.transformer_engine"
@@ -69,6 +72,36 @@ def unavailable_reason(device: torch.device | str) -> str | None:
     except ImportError as exc:
         return f"backend 'mcore' needs megatron-core (pip install -e '.[mcore]'): {exc}"
     return None
+
+
+SEMANTICS_0_19 = Semantics(view_copy="gather", skip="object", label="megatron-core 0.19's rules")
+"""megatron-core 0.19's copy rules: non-contiguous tensors are gathered (no whole-storage copy
+of covering views), and only ``Parameter`` objects and tensors carrying the not-offload
+attribute themselves are skipped (a ``W.t()`` saved by a matmul is moved)."""
+
+
+@functools.cache
+def installed_semantics() -> Semantics:
+    """The copy rules of the installed megatron-core, read from its code: a chunk handler with
+    ``BASE_OFFLOAD_MIN_COVERAGE`` copies a non-contiguous view covering at least that fraction
+    of its storage as the whole storage (``coverage``, upstream main), one without gathers every
+    view (``gather``, 0.19). The skip rule is the not-offload attribute on the tensor object in
+    every version seen (``object``). Without an importable megatron-core (nothing to read; the
+    backend cannot run then anyway), 0.19's rules."""
+    try:
+        handler = importlib.import_module(MODULE).ChunkOffloadHandler
+    except (ImportError, AttributeError):
+        return SEMANTICS_0_19
+    version = megatron_core_source()["version"]
+    coverage = getattr(handler, "BASE_OFFLOAD_MIN_COVERAGE", None)
+    if coverage is None:
+        return dataclasses.replace(SEMANTICS_0_19, label=f"megatron-core {version}'s rules")
+    if coverage != COVERAGE:
+        raise ValueError(
+            f"megatron-core {version} copies views covering >= {coverage} of their storage "
+            f"whole; the harness's prediction knows the {COVERAGE} rule only"
+        )
+    return Semantics(view_copy="coverage", skip="object", label=f"megatron-core {version}'s rules")
 
 
 def provide_te_flag() -> str:
@@ -109,13 +142,12 @@ class McoreOffloader:
     at a time: megatron-core's manager is a process-wide singleton, reset on construction)."""
 
     name = "mcore"
-    semantics = Semantics(view_copy="gather", skip="object", label="megatron-core 0.19's rules")
-    """megatron-core 0.19's copy rules: non-contiguous tensors are gathered (no whole-storage
-    copy of covering views), and only ``Parameter`` objects and tensors carrying the
-    not-offload attribute themselves are skipped (a ``W.t()`` saved by a matmul is moved)."""
+    semantics = SEMANTICS_0_19
+    """megatron-core 0.19's copy rules (``SEMANTICS_0_19``); the backend record declares the
+    installed megatron-core's (``installed_semantics``)."""
     capabilities: ClassVar[Capabilities] = Capabilities(
         description="megatron-core's own fine-grained offloader (CUDA, the mcore extra)",
-        semantics=semantics,
+        semantics=installed_semantics,
         race_delays=True,
         unavailable=unavailable_reason,
     )
@@ -172,8 +204,8 @@ class McoreOffloader:
         group start is keyed by (microbatch, ``layer()``, name) and its chunk instrumented, a
         commit adds the compute-stream delay, and megatron-core's reset logs the iteration
         first. ``windows`` (a ``harness.measure.observe.Windowed`` around this offloader) is told
-        each group start, commit and saved tensor, so its windows bracket the groups megatron-core's
-        layers open as they bracket the ones the protocol opens."""
+        each group start, commit and saved tensor, so its windows bracket the groups
+        megatron-core's layers open as they bracket the ones the protocol opens."""
         mcore, interface = self._mcore, self._interface
         start = mcore.fine_grained_offloading_group_start
         commit = mcore.fine_grained_offloading_group_offload
@@ -196,9 +228,10 @@ class McoreOffloader:
                 torch.cuda._sleep(self.delays.compute)
             return out
 
-        def logged_reset() -> None:
+        def logged_reset(*args: Any, **kwargs: Any) -> None:
+            # megatron-core's own signature: main's schedules pass reset(process_group=...)
             self._log_iteration()
-            reset.__func__()
+            reset.__func__(*args, **kwargs)
 
         mcore.fine_grained_offloading_group_start = group_start
         mcore.fine_grained_offloading_group_offload = group_offload

@@ -182,8 +182,9 @@ class Capabilities:
     """One line for ``offload-harness backends``."""
     semantics: Any = None
     """Its version-dependent copy rules for the prediction, a
-    ``harness.offload.semantics.Semantics`` (typed Any: that module depends on this one); None:
-    Megatron-Core main's."""
+    ``harness.offload.semantics.Semantics`` (typed Any: that module depends on this one), or a
+    function returning one that ``harness.offload.backends.capabilities`` calls when asked (the
+    ``mcore`` backend reads the installed megatron-core's); None: Megatron-Core main's."""
     race_delays: bool = False
     """It takes a ``delays=`` keyword (``harness.offload.reference.RaceDelays``), so
     ``<backend>+delays`` applies to it."""

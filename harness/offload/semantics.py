@@ -96,6 +96,10 @@ class Semantics:
 
 MEGATRON_MAIN = Semantics()
 
+COVERAGE = 0.5
+"""The share of its storage a non-contiguous view must cover to be copied as the whole storage
+under ``view_copy="coverage"`` (Megatron-Core main's ``BASE_OFFLOAD_MIN_COVERAGE``)."""
+
 
 def copy_bytes(info: SavedInfo, semantics: Semantics = MEGATRON_MAIN) -> int:
     """Bytes one offload of ``info`` copies (whole storage for a covering view)."""
@@ -105,7 +109,7 @@ def copy_bytes(info: SavedInfo, semantics: Semantics = MEGATRON_MAIN) -> int:
     if info.contiguous or semantics.view_copy == "gather":
         return own
     whole = info.storage_nbytes
-    if whole % info.itemsize == 0 and 2 * own >= whole:
+    if whole % info.itemsize == 0 and own >= COVERAGE * whole:
         return whole
     return own
 

@@ -160,6 +160,10 @@ class ModelSpec:
     """Multi-token-prediction layers after the main pattern: one depth's pattern, ``/`` between
     depths (``"+-"``: one depth of an MLA and an MLP layer); HybridModel (``ModelImpl.mtp``)
     only. Their layers are numbered after the main pattern's, depth by depth."""
+    offload_buffer_kib: int = 0
+    """megatron-core's fixed pinned activation buffer
+    (``TransformerConfig.fine_grained_offloading_buffer_size_gib``), in KiB; 0: none (the pinned
+    pool). ``ModelImpl.knobs`` only, and only where the installed megatron-core has it."""
     layers: tuple[str, ...] = field(init=False)
     """The parsed pattern, one symbol per layer."""
 
@@ -209,7 +213,17 @@ class ModelSpec:
 
     def _check_knobs(self) -> None:
         impl = IMPLS[self.impl]
-        for name in ("recompute", "cuda_graph"):
+        if isinstance(self.offload_buffer_kib, bool) or not isinstance(
+            self.offload_buffer_kib, int
+        ):
+            raise ValueError(
+                f"ModelSpec.offload_buffer_kib must be an int, got {self.offload_buffer_kib!r}"
+            )
+        if self.offload_buffer_kib < 0:
+            raise ValueError(
+                f"ModelSpec.offload_buffer_kib must be >= 0, got {self.offload_buffer_kib}"
+            )
+        for name in ("recompute", "cuda_graph", "offload_buffer_kib"):
             if getattr(self, name) and not impl.knobs:
                 raise ValueError(
                     f"ModelSpec.{name} is a megatron-core setting; impl {self.impl!r} has none"
@@ -318,13 +332,15 @@ def label_pass(p: int, chunks: int) -> str:
 
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
-SHARDINGS: tuple[str, ...] = ("none", "zero3", "mfsdp", "mfsdp2")
+SHARDINGS: tuple[str, ...] = ("none", "zero3", "mfsdp", "mfsdp2", "mfsdp-v2")
 """How the runner shards the model: ``none``; ``zero3``, flat ZeRO-3 through PyTorch's FSDP2
 (our models, ``harness.models.train``); ``mfsdp``, Megatron-FSDP as megatron-core 0.19 ships it
 (``optim_grads_params`` with the distributed optimizer); ``mfsdp2``, the Megatron-FSDP "v2
 building blocks" megatron-core 0.19 bundles (flat-placement ``fully_shard`` and
-``fully_shard_optimizer``; not the upstream v2 adapter, which no release has). The last two are
-megatron-core's models only (``harness.models.mcore``). Every sharded run gives each rank its
+``fully_shard_optimizer``; not the upstream v2 adapter); ``mfsdp-v2``, the upstream Megatron-FSDP
+v2 adapter (``megatron_fsdp_version=2``, upstream main; no release has it). The last three are
+megatron-core's models only (``harness.models.mcore``), each where the installed megatron-core
+has it (``harness.models.mcore.features``). Every sharded run gives each rank its
 own data shard."""
 
 RECOMPUTE_MODULES: tuple[str, ...] = (

@@ -45,7 +45,9 @@ EP = 1; data parallel over the world). Both are started once per process and kep
 
 Modules, by concern: ``config`` (environment, process state, ``transformer_config`` and the
 knobs), ``build`` (the model), ``bridge`` (the layer tracker, the ``Bridge`` and the wiring of a
-run to its offloader), ``sharding`` (a trainer per sharding) and ``loop`` (``train``).
+run to its offloader), ``sharding`` (a trainer per sharding), ``loop`` (``train``) and
+``features`` (what the installed megatron-core offers, found by feature; ``python -m
+harness.models.mcore.features``).
 """
 
 from __future__ import annotations
@@ -60,7 +62,6 @@ from harness.models.mcore.bridge import (
 )
 from harness.models.mcore.build import build_model, model_layers
 from harness.models.mcore.config import (
-    ENVIRONMENT,
     STALE_CAPTURE_OVERRIDE,
     ensure_parallel_state,
     knob_fields,
@@ -68,6 +69,7 @@ from harness.models.mcore.config import (
     transformer_config,
     unavailable_reason,
 )
+from harness.models.mcore.environment import ENVIRONMENT
 from harness.models.mcore.loop import train
 from harness.models.mcore.sharding import TRAINERS, ShardingTrainer
 

@@ -147,7 +147,8 @@ class Bridge:
         if tensor is not None:
             self.offloader.mark_not_offloadable(tensor)
 
-    def reset(self) -> None:
+    def reset(self, process_group: Any = None) -> None:
+        """Nothing: the runner ends the iteration (main's schedules pass their group)."""
         return None
 
     def get_context(self, flag: bool) -> contextlib.AbstractContextManager[None]:

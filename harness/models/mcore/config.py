@@ -7,13 +7,13 @@ multi-token prediction), a configuration megatron-core refuses being a ``Refused
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from harness.models.hybrid import INIT_STD
+from harness.models.mcore.environment import apply_environment
 from harness.models.runs import Refused
 from harness.offload.config import OffloadConfig
 from harness.util import distributed
@@ -21,31 +21,9 @@ from harness.vocab.groups import LAYERS
 from harness.vocab.impls import IMPLS
 from harness.vocab.spec import ModelSpec, RunSpec, gpt_layers
 
-ENVIRONMENT = {
-    # Unfused attention (megatron-core's offloading test pins it the same way).
-    "NVTE_FLASH_ATTN": "0",
-    "NVTE_FUSED_ATTN": "0",
-    "NVTE_UNFUSED_ATTN": "1",
-    # deterministic_mode=True refuses to build TransformerEngine attention without it.
-    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
-    # megatron-core's gate for the op-fuser expert path with SwiGLU (moe_path "fused"); on
-    # Hopper in bf16 TransformerEngine runs the path's ops one by one (its fused kernel is
-    # SM100 with MXFP8/NVFP4 only).
-    "NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1",
-}
-"""Environment megatron-core's models run under. TransformerEngine reads it once, at its first
-import, so it is set before anything imports TransformerEngine (``unavailable_reason`` runs at
-collection, first); the attention variables must agree with what megatron-core's language
-model asserts and writes for the unfused backend."""
-
 
 def _apply_environment() -> None:
-    os.environ.update(ENVIRONMENT)
-    # TransformerEngine's CPU-offload implementation is a setting (``--nvte-cpu-offload-v1``,
-    # exported by ``harness.run.settings.apply``); unset, its older one: the code path
-    # megatron-core's
-    # fine-grained offloading toggles (megatron's training arguments require it, TE >= 2.10).
-    os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "1")
+    apply_environment()
 
 
 def unavailable_reason(device: torch.device | str) -> str | None:
@@ -62,7 +40,9 @@ def unavailable_reason(device: torch.device | str) -> str | None:
                 f"impl 'mcore' needs TransformerEngine and megatron-core "
                 f"(docs/megatron-core.md): import {module} failed: {first}"
             )
-    return None
+    from harness.models.mcore.features import required_missing
+
+    return required_missing()  # a megatron-core without what the bridge needs: one line
 
 
 def ensure_parallel_state(device: torch.device) -> None:
@@ -247,6 +227,8 @@ def knob_fields(spec: ModelSpec) -> dict[str, Any]:
         fields.update(cuda_graph_impl="local", cuda_graph_modules=["moe_router", "moe_preprocess"])
     if spec.mtp:
         fields["mtp_num_layers"] = spec.mtp_depths
+    if spec.offload_buffer_kib:
+        fields["fine_grained_offloading_buffer_size_gib"] = spec.offload_buffer_kib / (1 << 20)
     return fields
 
 
@@ -258,16 +240,15 @@ def _knob_text(spec: ModelSpec) -> str:
         parts.append(f"CUDA graphs {spec.cuda_graph}")
     if spec.mtp:
         parts.append(f"MTP layers {spec.mtp}")
+    if spec.offload_buffer_kib:
+        parts.append(f"a {spec.offload_buffer_kib} KiB pinned activation buffer")
     return " and ".join(parts)
 
 
 def _version() -> str:
-    try:
-        from importlib.metadata import version
+    from harness.util.installed import megatron_core_source
 
-        return version("megatron-core")
-    except Exception:  # not installed as a distribution (a source checkout)
-        return "(version unknown)"
+    return megatron_core_source()["version"]
 
 
 STALE_CAPTURE_OVERRIDE = "set_override_stale_capture_stream"

@@ -20,8 +20,9 @@ from harness.models.mcore.config import (
     transformer_config,
     unavailable_reason,
 )
-from harness.models.mcore.sharding import TRAINERS, ShardingTrainer
-from harness.models.runs import RunHooks, TrainResult
+from harness.models.mcore.features import refusal
+from harness.models.mcore.sharding import TRAINER_NEEDS, TRAINERS, ShardingTrainer
+from harness.models.runs import Refused, RunHooks, TrainResult
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Offloader
@@ -95,7 +96,8 @@ def train(
 
 
 def _refuse(spec: ModelSpec, run: RunSpec, device: torch.device, sharding: str) -> None:
-    """Raise ``ValueError`` for a case these models cannot run here."""
+    """Raise ``ValueError`` for a case these models cannot run here, ``Refused`` for one the
+    installed megatron-core lacks a feature of (``harness.models.mcore.features``)."""
     # The registry's refusal (the one ``Case`` gives); the evaluation pass is left to the case
     # table, which refuses it for these rows.
     refused = IMPLS[spec.impl].refuse(schedule=run.schedule, sharding=sharding, eval_first=False)
@@ -104,6 +106,11 @@ def _refuse(spec: ModelSpec, run: RunSpec, device: torch.device, sharding: str) 
     reason = unavailable_reason(device)
     if reason is not None:
         raise ValueError(reason)
+    buffer = ("pinned_activation_buffer",) if spec.offload_buffer_kib else ()
+    needs = TRAINER_NEEDS[sharding] + buffer
+    missing = refusal(needs)
+    if missing is not None:  # the installed megatron-core lacks what the row needs: a skip
+        raise Refused(missing)
 
 
 def _offload_config(offloader: Offloader, inner: Offloader, mode: str) -> OffloadConfig | None:

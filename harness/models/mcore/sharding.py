@@ -1,7 +1,9 @@
 """How each sharding of megatron-core's models trains (``TRAINERS``): megatron-core's DDP and
-distributed optimizer, Megatron-FSDP (``mfsdp``) and Megatron-FSDP from its "v2 building
-blocks" (``mfsdp2``), each a ``ShardingTrainer`` - the wrapper the schedule runs, and the
-step's gradient zeroing, gradient reading, update, final state and tensors to free."""
+distributed optimizer, Megatron-FSDP (``mfsdp``), Megatron-FSDP from its "v2 building blocks"
+(``mfsdp2``) and the upstream Megatron-FSDP v2 adapter (``mfsdp-v2``), each a
+``ShardingTrainer`` - the wrapper the schedule runs, and the step's gradient zeroing, gradient
+reading, update, final state and tensors to free; ``TRAINER_NEEDS`` says which megatron-core
+features each needs."""
 
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ class ShardingTrainer:
     tensors: Callable[[], list[Any]]
 
 
-def _optimizer_config(config: Any, run: RunSpec) -> Any:
+def _optimizer_config(config: Any, run: RunSpec, *, distributed: bool = True) -> Any:
     from megatron.core.optimizer import OptimizerConfig
 
     return OptimizerConfig(
@@ -87,21 +89,30 @@ def _optimizer_config(config: Any, run: RunSpec) -> Any:
         weight_decay=0.01,
         bf16=run.precision == "bf16",
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=distributed,
         clip_grad=run.grad_clip if run.grad_clip is not None else 0.0,
     )
 
 
 def _megatron_trainer(
-    config: Any, model: Any, wrapper: Any, run: RunSpec, grads: Callable[[], dict[str, Any]]
+    config: Any,
+    model: Any,
+    wrapper: Any,
+    run: RunSpec,
+    grads: Callable[[], dict[str, Any]],
+    *,
+    distributed: bool = True,
 ) -> ShardingTrainer:
-    """A megatron-core wrapper (DDP, Megatron-FSDP) with megatron-core's distributed optimizer,
-    its ``finalize_model_grads`` and no-sync, as megatron-core's training loop wires them."""
+    """A megatron-core wrapper (DDP, Megatron-FSDP) with megatron-core's optimizer (its
+    distributed optimizer unless ``distributed`` is False), its ``finalize_model_grads`` and
+    no-sync, as megatron-core's training loop wires them."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
 
     optimizer = get_megatron_optimizer(
-        _optimizer_config(config, run), [wrapper], use_gloo_process_groups=False
+        _optimizer_config(config, run, distributed=distributed),
+        [wrapper],
+        use_gloo_process_groups=False,
     )
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = wrapper.no_sync
@@ -230,9 +241,60 @@ def _mfsdp2_trainer(config: Any, model: Any, module: Any, run: RunSpec) -> Shard
     )
 
 
+def _sharded_grads(named: list[tuple[str, Any]]) -> dict[str, torch.Tensor]:
+    """Megatron-FSDP v2's gradients after the step's backward: each parameter's ``.grad`` (a
+    sharded DTensor), or its ``main_grad`` where v2 keeps it there, whole, on the device."""
+    out = {}
+    for name, param in named:
+        grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
+        if grad is None:
+            raise RuntimeError(f"parameter {name} has neither grad nor main_grad after backward")
+        out[name] = _whole(grad)
+    return out
+
+
+def _mfsdp_v2_trainer(config: Any, model: Any, module: Any, run: RunSpec) -> ShardingTrainer:
+    """The upstream Megatron-FSDP v2 adapter (upstream main; feature ``megatron_fsdp_v2``):
+    ``megatron_fsdp_version=2`` with the ``optim_grads_params`` strategy (every
+    ``TransformerLayer`` a unit, then the root), FP32 main weights, main gradients in the
+    compute dtype, megatron-core's process groups, and the optimizer megatron-core builds for it
+    (``FullyShardedOptimizer``: v2 refuses the distributed optimizer)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp import FullyShardedDataParallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    wrapper = FullyShardedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(
+            use_megatron_fsdp=True,
+            megatron_fsdp_version=2,
+            data_parallel_sharding_strategy="optim_grads_params",
+            use_distributed_optimizer=False,
+            megatron_fsdp_main_params_dtype=torch.float32,
+            megatron_fsdp_main_grads_dtype=config.params_dtype,
+        ),
+        module=module,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    named = list(model.named_parameters())
+    return _megatron_trainer(
+        config, model, wrapper, run, lambda: _sharded_grads(named), distributed=False
+    )
+
+
 TRAINERS: dict[str, Callable[[Any, Any, Any, RunSpec], ShardingTrainer]] = {
     "none": _ddp_trainer,
     "mfsdp": _mfsdp_trainer,
     "mfsdp2": _mfsdp2_trainer,
+    "mfsdp-v2": _mfsdp_v2_trainer,
 }
 """How each sharding of megatron-core's models trains (``harness.vocab.spec.SHARDINGS``)."""
+
+TRAINER_NEEDS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "mfsdp": ("megatron_fsdp_v1",),
+    "mfsdp2": ("mfsdp2_building_blocks",),
+    "mfsdp-v2": ("megatron_fsdp_v2",),
+}
+"""The megatron-core features (``harness.models.mcore.features``) each sharding's trainer
+needs: a row whose sharding the installed megatron-core lacks skips with the feature's line."""
