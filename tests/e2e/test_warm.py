@@ -1,6 +1,6 @@
-"""``tests/warm.py``: a forked child runs a ``python -m`` command as a fresh interpreter would -
-exit status, separate output streams, working directory, environment, ``PYTHONPATH``, Ctrl-C -
-and a command it cannot run that way gets a fresh interpreter."""
+"""``tests/helpers/warm.py``: a forked child runs a ``python -m`` command as a fresh interpreter
+would - exit status, separate output streams, working directory, environment, ``PYTHONPATH``,
+Ctrl-C - and a command it cannot run that way gets a fresh interpreter."""
 
 from __future__ import annotations
 

@@ -176,7 +176,9 @@ def test_every_module_has_a_layer() -> None:
     """A module in a folder that is not a stage, or a new module on top of ``harness/``, fails:
     place it in a stage folder (or, for a new stage, in ``FOLDERS``)."""
     missing = sorted(name for name in harness_modules() if layer_of(name) is None)
-    assert not missing, f"modules without a layer (see FOLDERS in tests/test_layers.py): {missing}"
+    assert not missing, (
+        f"modules without a layer (see FOLDERS in tests/unit/test_layers.py): {missing}"
+    )
     folders = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert folders == set(FOLDERS), (sorted(folders - set(FOLDERS)), sorted(set(FOLDERS) - folders))
     assert set(LAYER.values()) <= {*ORDER, REPORTING}
