@@ -45,6 +45,9 @@ from harness.offload.backends import (
     backend_unavailable,
     describe,
 )
+from harness.overrides import FLAGS as OVERRIDE_FLAGS
+from harness.overrides import add_flags as add_override_flags
+from harness.overrides import overrides
 from harness.parallel import threads_per_worker
 from harness.plots import preload_plotting
 from harness.report import (
@@ -59,7 +62,7 @@ from harness.report import (
 )
 from harness.repro import ReproSpec, reproduce
 from harness.session import run_cases
-from harness.spec import PRECISIONS, PRESETS, SCHEDULES, check_fits, parse_pattern, preset
+from harness.spec import PRESETS, check_fits, parse_pattern, preset
 from harness.tools import TOOLS
 
 
@@ -195,37 +198,13 @@ def _parser() -> argparse.ArgumentParser:
 def _case_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pattern", help="layer pattern, e.g. +-+-+-")
     group.add_argument("--offload", help="comma-separated group names, e.g. core_attn,attn_proj")
-    group.add_argument("--steps", type=int, help=f"default {_DEFAULTS['steps']}")
-    group.add_argument("--microbatches", type=int, help=f"default {_DEFAULTS['microbatches']}")
-    group.add_argument("--schedule", choices=SCHEDULES, help=f"default {_DEFAULTS['schedule']}")
-    group.add_argument("--precision", choices=PRECISIONS, help=f"default {_DEFAULTS['precision']}")
-    group.add_argument("--max-inflight", help="int >= 0, or none (default 1)")
-
-
-_DEFAULTS: dict[str, Any] = {
-    name: Case.__dataclass_fields__[name].default
-    for name in ("steps", "microbatches", "schedule", "precision", "max_inflight")
-}
-"""The case fields the flags override, with the case table's own defaults (for the help)."""
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The case fields the flags set explicitly."""
-    out = {
-        k: getattr(args, k)
-        for k in ("steps", "microbatches", "schedule", "precision")
-        if getattr(args, k) is not None
-    }
-    if args.max_inflight is not None:
-        value = args.max_inflight
-        out["max_inflight"] = None if value == "none" else _int("--max-inflight", value)
-    return out
+    add_override_flags(group)
 
 
 def _row_with_overrides(args: argparse.Namespace, name: str | None = None) -> Case:
     """The ``--case`` row (``name``, one of several under ``run``) with the fields the flags
     set (``run`` and ``repro`` alike)."""
-    return find_case(name or args.case).replace(**_overrides(args))
+    return find_case(name or args.case).replace(**overrides(args))
 
 
 def _case_ids(args: argparse.Namespace) -> list[str]:
@@ -256,17 +235,10 @@ def _custom_case(args: argparse.Namespace, pattern: str | None = None) -> Case:
             offload=names,
             custom_pattern=pattern,
             impl=impl,
-            **_overrides(args),
+            **overrides(args),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-
-
-def _int(option: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise UsageError(f"{option} must be an int or none, got {value!r}") from None
 
 
 def _select(args: argparse.Namespace) -> list[Case]:
@@ -279,9 +251,9 @@ def _select(args: argparse.Namespace) -> list[Case]:
             return [_row_with_overrides(args, name) for name in _case_ids(args)]
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    if _overrides(args):
+    if overrides(args):
         raise UsageError(
-            "--steps/--microbatches/--schedule/--precision/--max-inflight apply to one case "
+            f"{OVERRIDE_FLAGS} apply to one case "
             "(--case, or --pattern with --offload), not to the whole matrix"
         )
     return matrix(args.matrix, args.family)

@@ -26,7 +26,6 @@ from tqdm import tqdm
 from harness.bisect import Bisector
 from harness.cases import Case
 from harness.commands import (  # the builders' old home: importable from here too
-    OVERRIDABLE,  # noqa: F401
     case_command,  # noqa: F401
     model_family_preset,  # noqa: F401
     repro_command,

@@ -84,6 +84,7 @@ _MODELS = (
 )
 _MEASURE = (
     "harness.cases",  # the case table: what a run measures
+    "harness.overrides",  # the case fields the command line overrides
     "harness.execute",
     "harness.environment",  # where and with what a case runs
     "harness.attribution",

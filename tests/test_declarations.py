@@ -1,0 +1,100 @@
+"""One declaration per idea: the per-case overrides (``harness.overrides``), the backends table
+and the resolved backend record (``harness.offload.backends``), and ``--models`` with its
+deprecated alias ``--family``.
+
+The expected flags, values and command lines are written out here as the CLI had them before
+the tables generated them, so a table that drifts fails here rather than agreeing with itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from harness import overrides
+from harness.cases import Case, default_matrix
+from harness.cli import _parser
+from harness.commands import repro_command, table_row
+from harness.spec import PRECISIONS, SCHEDULES
+
+# --------------------------------------------------------------------------- per-case overrides
+
+
+def _case_default(field: str) -> Any:
+    return Case.__dataclass_fields__[field].default
+
+
+OLD_OVERRIDE_FLAGS: list[tuple[str, Any, Any, str]] = [
+    # flag, argparse type, choices, help: as cli._case_flags spelled them before the table
+    ("--steps", int, None, f"default {_case_default('steps')}"),
+    ("--microbatches", int, None, f"default {_case_default('microbatches')}"),
+    ("--schedule", None, SCHEDULES, f"default {_case_default('schedule')}"),
+    ("--precision", None, PRECISIONS, f"default {_case_default('precision')}"),
+    ("--max-inflight", None, None, "int >= 0, or none (default 1)"),
+]
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+@pytest.mark.parametrize("command", ["run", "repro"])
+def test_the_override_table_generates_the_old_flags(command: str) -> None:
+    parser = _subparser(command)
+    by_flag = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+    flags = [flag for flag, *_ in OLD_OVERRIDE_FLAGS]
+    assert [o.flag for o in overrides.OVERRIDES] == flags
+    for flag, kind, choices, help_text in OLD_OVERRIDE_FLAGS:
+        action = by_flag[flag]
+        assert (action.type, action.choices, action.help, action.default) == (
+            kind,
+            choices,
+            help_text,
+            None,
+        ), flag
+    # the custom-case group holds exactly --pattern, --offload and the overrides, in that order
+    group = next(
+        g for g in parser._action_groups if any(a.dest == "pattern" for a in g._group_actions)
+    )
+    assert [a.option_strings[0] for a in group._group_actions] == ["--pattern", "--offload", *flags]
+
+
+def test_overrides_read_from_a_command_line() -> None:
+    parser = _subparser("repro")
+    args = parser.parse_args(["--steps", "3", "--schedule", "1f1b", "--max-inflight", "none"])
+    assert overrides.overrides(args) == {"steps": 3, "schedule": "1f1b", "max_inflight": None}
+    args = parser.parse_args(["--max-inflight", "0"])
+    assert overrides.overrides(args) == {"max_inflight": 0}
+    assert overrides.overrides(parser.parse_args([])) == {}
+    args = parser.parse_args(["--max-inflight", "many"])
+    with pytest.raises(ValueError, match=r"^--max-inflight must be an int or none, got 'many'$"):
+        overrides.overrides(args)
+
+
+def test_the_repro_command_spells_every_override_as_before() -> None:
+    row = next(c for c in default_matrix() if c.max_inflight is None)
+    argv = repro_command(
+        row, backend="reference", device="cpu", model_size="tiny", from_case=row.name
+    )
+    old = ["--steps", str(row.steps), "--microbatches", str(row.microbatches)]
+    old += ["--schedule", row.schedule, "--precision", row.precision, "--max-inflight", "none"]
+    assert argv == [
+        "offload-harness",
+        "repro",
+        "--case",
+        row.name,
+        *old,
+        *("--seed", "1234", "--backend", "reference"),
+        *("--device", "cpu", "--model-size", "tiny"),
+    ]
+
+
+def test_a_row_with_overrides_is_still_that_row() -> None:
+    row = default_matrix()[0]
+    changed = row.replace(steps=row.steps + 1, microbatches=row.microbatches + 1)
+    assert table_row(changed) == row
+    assert table_row(row.replace(min_tensor_size=row.min_tensor_size + 1)) is None
+    assert overrides.FIELDS == ("steps", "microbatches", "schedule", "precision", "max_inflight")
