@@ -294,11 +294,13 @@ def _unavailable(cases: list[Case], env: Environment) -> str | None:
     return reason or impl_unavailable([case.impl for case in cases], env.device)
 
 
-def command_run(args: argparse.Namespace) -> int:
-    env = _environment(args)
+def _checked_cases(args: argparse.Namespace, env: Environment) -> list[Case]:
+    """The selected cases, each applying to its model and fitting, before any run; refused
+    when the backend or a model implementation cannot run here, or when golden traces would
+    be written for a case that is not a table row."""
     try:
         cases = _select(args)
-        for case in cases:  # every selected case applies to its model and fits, before any run
+        for case in cases:
             check_fits(env.spec(case), case.run_spec())
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -308,12 +310,12 @@ def command_run(args: argparse.Namespace) -> int:
     table = {c.name for name in MATRICES for c in matrix(name, "all")}
     if args.update_golden and any(c.name not in table for c in cases):
         raise UsageError("--update-golden: golden traces are kept for case-table rows only")
-    jobs = settings.checked(
-        lambda: settings.resolve_jobs(args.settings.jobs, env.device, len(cases)), UsageError
-    )
-    plots = settings.checked(settings.resolve_plots, UsageError)
-    folder = _claim_folder(args.settings.report_dir)
-    fields: dict[str, Any] = dict(
+    return cases
+
+
+def _summary_fields(args: argparse.Namespace, env: Environment) -> dict[str, Any]:
+    """The run's own fields of summary.json (status and seconds are added as it ends)."""
+    return dict(
         backend=args.backend,
         device=str(env.device),
         matrix=args.matrix if not (args.case or args.pattern or args.offload) else None,
@@ -321,68 +323,77 @@ def command_run(args: argparse.Namespace) -> int:
         nvte_cpu_offload_v1=args.settings.nvte_cpu_offload_v1,
         cuda_sanitizer=args.settings.cuda_sanitizer,
     )
-    report = _ReportWriter(folder)
-    records: list[dict[str, Any] | None] = [None] * len(cases)
-    start = time.perf_counter()
 
-    def finished() -> list[dict[str, Any]]:
-        return [r for r in records if r is not None]
 
-    def on_record(index: int, record: dict[str, Any], seconds: float) -> None:
+class _Progress:
+    """The console lines and the running summary.json while the cases run: one line per
+    finished case (and the rule it was held to, once), a valid summary after every case."""
+
+    def __init__(
+        self, cases: list[Case], env: Environment, report: _ReportWriter, fields: dict[str, Any]
+    ) -> None:
+        self.cases, self.env, self.report, self.fields = cases, env, report, fields
+        self.records: list[dict[str, Any] | None] = [None] * len(cases)
+        self.start = time.perf_counter()
+
+    def finished(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r is not None]
+
+    def on_record(self, index: int, record: dict[str, Any], seconds: float) -> None:
         record["duration"] = round(seconds, 3)
-        records[index] = record
-        done = len(finished())
-        print(f"[{done}/{len(cases)}] {cases[index].name} {record['verdict']} ({seconds:.1f}s)")
+        self.records[index] = record
+        done = len(self.finished())
+        name = self.cases[index].name
+        print(f"[{done}/{len(self.cases)}] {name} {record['verdict']} ({seconds:.1f}s)")
         rule = record.get("rule", {})
         if rule.get("source") == "observed":  # once per case: what it was held to
             print(f"  {rule['line']}")
         sys.stdout.flush()
+        folder = self.report.folder
         if folder is not None:  # a valid summary.json after every case
-            seconds_so_far = round(time.perf_counter() - start, 2)
-            report.write(
+            seconds_so_far = round(time.perf_counter() - self.start, 2)
+            self.report.write(
                 "summary.json",
                 lambda: write_summary(
-                    folder, finished(), status="running", seconds=seconds_so_far, **fields
+                    folder, self.finished(), status="running", seconds=seconds_so_far, **self.fields
                 ),
             )
 
-    if folder is not None and plots:
-        preload_plotting()
-    note = missing_bytecode(sys.modules["torch"])
-    if note:
-        print(f"note: {note}")
-
-    def on_start(workers: int) -> None:
+    def on_start(self, workers: int) -> None:
         threads = threads_per_worker(workers)
         print(
-            f"running {len(cases)} case(s) on {env.device} ({env.model_size} models): "
-            f"{workers} worker(s) x {threads} thread(s)",
+            f"running {len(self.cases)} case(s) on {self.env.device} ({self.env.model_size} "
+            f"models): {workers} worker(s) x {threads} thread(s)",
             flush=True,
         )
 
-    stopped = 0  # the exit code of a run a signal stopped
+
+def _run_stoppably(
+    args: argparse.Namespace, env: Environment, jobs: int, progress: _Progress
+) -> tuple[str, int]:
+    """Run the cases; the run's status and, when a signal stopped it, the exit code (else 0)."""
     try:
         with _stopped_by_signals():
             status = run_cases(
-                cases,
+                progress.cases,
                 env,
                 jobs=jobs,
                 timeout=args.settings.case_timeout,
-                folder=folder,
-                on_record=on_record,
+                folder=progress.report.folder,
+                on_record=progress.on_record,
                 update_golden=args.update_golden,
-                on_start=on_start,
+                on_start=progress.on_start,
             )
     except KeyboardInterrupt:
-        status, stopped = "interrupted", 128 + signal.SIGINT
+        return "interrupted", 128 + signal.SIGINT
     except Stopped as stop:
-        status, stopped = "terminated", 128 + stop.signum
-    fields.update(status=status, seconds=round(time.perf_counter() - start, 2))
-    summary = json.loads(summary_text(finished(), **fields))
-    where = _write_report(report, summary, fields, finished(), stopped=bool(stopped))
-    if stopped:
-        print(f"\n{status} after {len(finished())} of {len(cases)} cases; {where}")
-        return stopped
+        return "terminated", 128 + stop.signum
+    return status, 0
+
+
+def _print_outcome(summary: dict[str, Any], total: int, where: str) -> int:
+    """The verdict table, each failure's problems, the golden, note and skip lines and the
+    closing count; the number of failed cases."""
     print()
     print(verdict_table(summary))
     for case in summary["cases"]:
@@ -392,7 +403,7 @@ def command_run(args: argparse.Namespace) -> int:
     missing = [c for c in summary["cases"] if c.get("golden", {}).get("status") == "missing"]
     if missing:
         print(
-            f"\ngolden: {len(missing)} of {len(cases)} cases not compared - "
+            f"\ngolden: {len(missing)} of {total} cases not compared - "
             f"{missing[0]['golden']['message']}"
         )
     for case in summary["cases"]:
@@ -402,9 +413,38 @@ def command_run(args: argparse.Namespace) -> int:
     skipped = [c for c in summary["cases"] if c["verdict"] == "skip"]
     for case in skipped:
         print(f"\nSKIP {case['name']}: {skip_reason(case)}")
-    passed = len(cases) - failed - len(skipped)
+    passed = total - failed - len(skipped)
     also = f", {len(skipped)} skipped" if skipped else ""
-    print(f"\n{passed}/{len(cases)} cases passed{also} in {summary['seconds']:.1f}s; {where}")
+    print(f"\n{passed}/{total} cases passed{also} in {summary['seconds']:.1f}s; {where}")
+    return failed
+
+
+def command_run(args: argparse.Namespace) -> int:
+    """Check the selection, claim the report folder, run the cases with progress lines,
+    write the report and print the outcome; the exit code."""
+    env = _environment(args)
+    cases = _checked_cases(args, env)
+    jobs = settings.checked(
+        lambda: settings.resolve_jobs(args.settings.jobs, env.device, len(cases)), UsageError
+    )
+    plots = settings.checked(settings.resolve_plots, UsageError)
+    folder = _claim_folder(args.settings.report_dir)
+    fields = _summary_fields(args, env)
+    report = _ReportWriter(folder)
+    progress = _Progress(cases, env, report, fields)
+    if folder is not None and plots:
+        preload_plotting()
+    note = missing_bytecode(sys.modules["torch"])
+    if note:
+        print(f"note: {note}")
+    status, stopped = _run_stoppably(args, env, jobs, progress)
+    fields.update(status=status, seconds=round(time.perf_counter() - progress.start, 2))
+    summary = json.loads(summary_text(progress.finished(), **fields))
+    where = _write_report(report, summary, fields, progress.finished(), stopped=bool(stopped))
+    if stopped:
+        print(f"\n{status} after {len(progress.finished())} of {len(cases)} cases; {where}")
+        return stopped
+    failed = _print_outcome(summary, len(cases), where)
     if report.failed and not stopped:
         return REPORT_INCOMPLETE
     return 1 if failed or status != "complete" else 0
