@@ -17,6 +17,9 @@ from harness import overrides
 from harness.cases import Case, default_matrix
 from harness.cli import _parser
 from harness.commands import repro_command, table_row
+from harness.offload import backends, broken
+from harness.offload.protocol import Capabilities
+from harness.offload.reference import OffloadContext
 from harness.spec import PRECISIONS, SCHEDULES
 
 # --------------------------------------------------------------------------- per-case overrides
@@ -98,3 +101,35 @@ def test_a_row_with_overrides_is_still_that_row() -> None:
     assert table_row(changed) == row
     assert table_row(row.replace(min_tensor_size=row.min_tensor_size + 1)) is None
     assert overrides.FIELDS == ("steps", "microbatches", "schedule", "precision", "max_inflight")
+
+
+# --------------------------------------------------------------------------- the backends table
+
+OLD_BUILTIN = ("reference", "none", "hooks")
+OLD_EXTRA = {  # the three dicts' contents before the table: BUILTIN, broken.BROKEN, EXTRA
+    "mcore": "harness.offload.mcore:McoreOffloader",
+    "mcore.inline-wait": "harness.offload.mcore:with_inline_reload_wait",
+    "save-on-cpu": "harness.offload.adapters:SaveOnCpu",
+    "te": "harness.offload.adapters:TeCpuOffload",
+}
+
+
+def test_the_backends_table_is_consistent() -> None:
+    entries = backends.BACKENDS
+    names = [entry.name for entry in entries]
+    assert len(set(names)) == len(names), "a backend name is declared twice"
+    assert backends.backend_names() == names == list(backends.NAMED)
+    assert names == [*OLD_BUILTIN, *broken.BROKEN, *OLD_EXTRA]
+    assert {entry.role for entry in entries} <= set(backends.ROLES)
+    assert [e.name for e in entries if e.role == "broken"] == [r.name for r in broken.OFFLOADERS]
+    assert {e.name: e.factory for e in entries if e.role == "adapter"} == OLD_EXTRA
+    for entry in entries:
+        module, colon, attribute = entry.factory.partition(":")
+        assert module and colon and attribute, entry
+        if entry.extra is not None:  # its module may not import here
+            continue
+        factory = backends.resolve_backend(entry.name)
+        assert callable(factory) and isinstance(backends.capabilities(entry.name), Capabilities)
+    for record in broken.OFFLOADERS:  # the same class the catalogue names, not a copy
+        assert backends.resolve_backend(record.name) is record.factory
+    assert backends.resolve_backend("reference") is OffloadContext

@@ -24,16 +24,15 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from harness import globalstate
-from harness.offload.broken import BROKEN, LONG_DELAY
+from harness.offload.broken import LONG_DELAY, OFFLOADERS
 from harness.offload.config import OffloadConfig
-from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Capabilities, Offloader
-from harness.offload.recorder import RecordingOffloader
-from harness.offload.reference import OffloadContext, RaceDelays
+from harness.offload.reference import RaceDelays
 from harness.offload.semantics import Semantics
 
 Factory = Callable[[OffloadConfig, torch.device], Offloader]
@@ -49,22 +48,68 @@ OFFLOADER_MEMBERS: tuple[str, ...] = (
 """What an ``Offloader`` must have (``harness.offload.protocol``): ``name``, then its methods in
 declaration order."""
 
-BUILTIN: dict[str, Factory] = {
-    "reference": OffloadContext,
-    "none": NoOffload,
-    "hooks": RecordingOffloader,
-}
-"""Built-in backends. ``none`` and ``hooks`` are the two baselines."""
 
-EXTRA: dict[str, str] = {
-    "mcore": "harness.offload.mcore:McoreOffloader",
-    "mcore.inline-wait": "harness.offload.mcore:with_inline_reload_wait",
-    "save-on-cpu": "harness.offload.adapters:SaveOnCpu",
-    "te": "harness.offload.adapters:TeCpuOffload",
-}
-"""Further named backends provided by optional modules: name -> ``module:factory``. ``mcore``
-drives megatron-core's own offloader (CUDA and the ``mcore`` extra); ``mcore.inline-wait`` adds
-the D2H wait its inline reload lacks, to localise Megatron-LM #7398."""
+@dataclass(frozen=True, kw_only=True)
+class BackendEntry:
+    """One named backend: its name, where its factory lives, what it is there for, and what
+    must be installed beyond torch for it to import."""
+
+    name: str
+    factory: str
+    """``module:attribute`` of its factory, imported when the name is resolved (so an
+    optional module costs nothing until it is named)."""
+    role: str
+    """One of ``ROLES``: ``offloader`` (the one under test by default), ``baseline`` (the runs
+    the offload run is compared with), ``broken`` (a known bug, for the detection power),
+    ``adapter`` (another project's offloader)."""
+    extra: str | None = None
+    """What its module needs beyond torch: an extra of this project (``mcore``) or a package
+    (``transformer-engine``); None: nothing."""
+
+
+ROLES = ("offloader", "baseline", "broken", "adapter")
+
+BACKENDS: tuple[BackendEntry, ...] = (
+    BackendEntry(
+        name="reference", factory="harness.offload.reference:OffloadContext", role="offloader"
+    ),
+    BackendEntry(name="none", factory="harness.offload.passthrough:NoOffload", role="baseline"),
+    BackendEntry(
+        name="hooks", factory="harness.offload.recorder:RecordingOffloader", role="baseline"
+    ),
+    *(
+        BackendEntry(
+            name=record.name,
+            factory=f"{record.factory.__module__}:{record.factory.__qualname__}",
+            role="broken",
+        )
+        for record in OFFLOADERS
+    ),
+    BackendEntry(
+        name="mcore", factory="harness.offload.mcore:McoreOffloader", role="adapter", extra="mcore"
+    ),
+    BackendEntry(
+        name="mcore.inline-wait",
+        factory="harness.offload.mcore:with_inline_reload_wait",
+        role="adapter",
+        extra="mcore",
+    ),
+    BackendEntry(name="save-on-cpu", factory="harness.offload.adapters:SaveOnCpu", role="adapter"),
+    BackendEntry(
+        name="te",
+        factory="harness.offload.adapters:TeCpuOffload",
+        role="adapter",
+        extra="transformer-engine",
+    ),
+)
+"""Every named backend, in the order ``offload-harness backends`` lists them: the reference,
+the two baselines (``none``, ``hooks``), every broken offloader of ``harness.offload.broken``,
+then the adapters. ``mcore`` drives megatron-core's own offloader (CUDA and the ``mcore``
+extra); ``mcore.inline-wait`` adds the D2H wait its inline reload lacks, to localise
+Megatron-LM #7398."""
+
+NAMED: dict[str, BackendEntry] = {entry.name: entry for entry in BACKENDS}
+"""Every named backend by name."""
 
 UNDECLARED = Capabilities()
 """The record of a factory that declares none: no description, no semantics (the prediction
@@ -78,7 +123,7 @@ DEFAULT_RACE_DELAYS = RaceDelays(d2h=LONG_DELAY, h2d=LONG_DELAY)
 
 def backend_names() -> list[str]:
     """Every name ``resolve_backend`` accepts without an import path."""
-    return [*BUILTIN, *BROKEN, *EXTRA]
+    return list(NAMED)
 
 
 def describe(name: str) -> str:
@@ -86,10 +131,12 @@ def describe(name: str) -> str:
     try:
         text = capabilities(name).description
     except ValueError:
-        if name not in EXTRA:
+        entry = NAMED.get(name)
+        if entry is None or entry.role != "adapter":
             raise
         text = ""  # its optional module does not import here
-    return text or f"optional backend ({EXTRA.get(name, name)})"
+    adapter = name in NAMED and NAMED[name].role == "adapter"
+    return text or f"optional backend ({NAMED[name].factory if adapter else name})"
 
 
 def capabilities(spec: str) -> Capabilities:
@@ -128,12 +175,8 @@ def resolve_backend(spec: str) -> Factory:
     base, plus, tail = spec.partition(DELAYS)
     if plus:
         return _delayed(base, tail, spec)
-    if spec in BUILTIN:
-        return BUILTIN[spec]
-    if spec in BROKEN:
-        return BROKEN[spec]
-    if spec in EXTRA:
-        return _import_factory(EXTRA[spec], shown=spec)
+    if spec in NAMED:
+        return _import_factory(NAMED[spec].factory, shown=spec)
     if ":" in spec:
         return _import_factory(spec, shown=spec)
     raise ValueError(
