@@ -38,7 +38,7 @@ from harness.cases import (
 )
 from harness.environment import Environment
 from harness.html import render_index
-from harness.impls import family_impl, impl_unavailable
+from harness.impls import impl_unavailable, models_impl
 from harness.judge import judge
 from harness.offload.backends import (
     backend_names,
@@ -170,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run cases and write a report")
     settings.add_arguments(
-        run, (*RUN_SETTINGS, "matrix", "family", "jobs", "case_timeout", "update_golden")
+        run, (*RUN_SETTINGS, "matrix", "models", "jobs", "case_timeout", "update_golden")
     )
     run.add_argument(
         "--case",
@@ -179,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _case_flags(run.add_argument_group("one custom case (instead of the matrix) or overrides"))
     repro = sub.add_parser("repro", help="reproduce one case: loss table, first divergence")
-    settings.add_arguments(repro, (*RUN_SETTINGS, "family"))
+    settings.add_arguments(repro, (*RUN_SETTINGS, "models"))
     repro.add_argument("--case", help="a case id; the flags below override its fields")
     _case_flags(repro.add_argument_group("a custom case (or overrides of --case)"))
     repro.add_argument("--preset", choices=tuple(PRESETS), help="model preset of a custom case")
@@ -188,7 +188,7 @@ def _parser() -> argparse.ArgumentParser:
         "--bisect", action="store_true", help="on divergence, find the smallest groups/layers"
     )
     listing = sub.add_parser("cases", help="list case ids")
-    settings.add_arguments(listing, ("matrix", "family"))
+    settings.add_arguments(listing, ("matrix", "models"))
     sub.add_parser("backends", help="list backend names, one line each with a description")
     for name, module in TOOLS.items():  # their own parsers take the rest of the line
         sub.add_parser(name, help=f"the {name} tool ({module}; --help for its options)")
@@ -228,7 +228,8 @@ def _custom_case(args: argparse.Namespace, pattern: str | None = None) -> Case:
         raise UsageError("a custom case needs both --pattern and --offload")
     parse_pattern(pattern)
     names = tuple(n.strip() for n in args.offload.split(",") if n.strip())
-    impl = family_impl(args.family if args.family != "all" else "harness").name
+    models = args.settings.models
+    impl = models_impl(models if models != "all" else "harness").name
     try:
         return Case(
             family=_family(pattern, names),
@@ -256,7 +257,7 @@ def _select(args: argparse.Namespace) -> list[Case]:
             f"{OVERRIDE_FLAGS} apply to one case "
             "(--case, or --pattern with --offload), not to the whole matrix"
         )
-    return matrix(args.matrix, args.family)
+    return matrix(args.settings.matrix, args.settings.models)
 
 
 def _run_one(case: Case, env: Environment, update_golden: bool = False) -> dict[str, Any]:
@@ -278,7 +279,8 @@ def _environment(args: argparse.Namespace) -> Environment:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         impl = impls.pop() if len(impls) == 1 else None
-    values = {name: getattr(args, name) for name in settings.OPTIONS if hasattr(args, name)}
+    names = (*settings.OPTIONS, *settings.DEPRECATED)
+    values = {name: getattr(args, name) for name in names if hasattr(args, name)}
     resolved = settings.checked(lambda: settings.resolve(values, impl=impl), UsageError)
     settings.apply(resolved)
     args.backend = resolved.backend
@@ -550,11 +552,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cases":
             chosen = settings.checked(
                 lambda: settings.resolve(
-                    {"matrix": args.matrix, "family": args.family, "device": "cpu"}
+                    {
+                        "matrix": args.matrix,
+                        "models": args.models,
+                        "family": args.family,
+                        "device": "cpu",
+                    }
                 ),
                 UsageError,
             )
-            print("\n".join(c.name for c in matrix(chosen.matrix, chosen.family)))
+            print("\n".join(c.name for c in matrix(chosen.matrix, chosen.models)))
             return 0
         if args.command == "backends":
             names = backend_names()

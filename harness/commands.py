@@ -43,7 +43,7 @@ def repro_command(
     else:
         assert preset is not None and pattern is not None, "a custom case names its preset"
         argv += ["--preset", preset, "--pattern", pattern, "--offload", ",".join(case.offload)]
-        argv += ["--family", IMPLS[case.impl].family]  # whose models a custom case builds
+        argv += ["--models", IMPLS[case.impl].models]  # whose models a custom case builds
     argv += spelled(case)  # every override, in the table's order (harness.overrides)
     argv += ["--seed", str(seed), "--backend", backend]
     argv += ["--device", str(device), "--model-size", model_size]

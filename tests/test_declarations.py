@@ -13,14 +13,16 @@ from typing import Any
 
 import pytest
 
-from harness import overrides
-from harness.cases import Case, default_matrix
-from harness.cli import _parser
+from harness import overrides, settings
+from harness.cases import Case, default_matrix, matrix
+from harness.cli import _parser, main
 from harness.commands import repro_command, table_row
 from harness.offload import backends, broken
 from harness.offload.protocol import Capabilities
 from harness.offload.reference import OffloadContext
 from harness.spec import PRECISIONS, SCHEDULES
+
+pytest_plugins = ["pytester"]
 
 # --------------------------------------------------------------------------- per-case overrides
 
@@ -133,3 +135,44 @@ def test_the_backends_table_is_consistent() -> None:
     for record in broken.OFFLOADERS:  # the same class the catalogue names, not a copy
         assert backends.resolve_backend(record.name) is record.factory
     assert backends.resolve_backend("reference") is OffloadContext
+
+
+# ------------------------------------------------------------ --models and its alias --family
+
+NOTICE = "offload-harness: --family is deprecated; use --models (the same values)"
+
+
+@pytest.mark.parametrize("models", ["mcore", "all"])
+def test_the_family_alias_lists_the_same_cases_with_one_notice(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["cases", "--models", models]) == 0
+    new = capsys.readouterr()
+    assert main(["cases", "--family", models]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out and old.out.split() == [c.name for c in matrix("default", models)]
+    assert new.err == ""
+    assert old.err.splitlines() == [NOTICE]
+
+
+def test_the_family_alias_resolves_like_models(capsys: pytest.CaptureFixture[str]) -> None:
+    new = settings.resolve({"models": "all", "device": "cpu"})
+    assert capsys.readouterr().err == ""
+    old = settings.resolve({"family": "all", "device": "cpu"})
+    assert old == new and old.models == "all"
+    assert capsys.readouterr().err.splitlines() == [NOTICE]
+    with pytest.raises(settings.SettingError, match=r"^--family must be one of harness, mcore"):
+        settings.resolve({"family": "gpt", "device": "cpu"})
+    with pytest.raises(settings.SettingError, match="deprecated alias of --models; give one"):
+        settings.resolve({"models": "mcore", "family": "all", "device": "cpu"})
+
+
+def test_the_family_alias_works_in_pytest(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        "def test_models(settings):\n    assert settings.models == 'mcore', settings.models\n"
+    )
+    result = pytester.runpytest("-p", "harness.plugin", "--family", "mcore", "--report-dir", "")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert result.stderr.str().count(NOTICE) == 1, result.stderr.str()
+    result = pytester.runpytest("-p", "harness.plugin", "--models", "mcore", "--report-dir", "")
+    assert result.ret == pytest.ExitCode.OK and NOTICE not in result.stderr.str()
