@@ -40,11 +40,7 @@ from harness.environment import Environment
 from harness.html import render_index
 from harness.impls import impl_unavailable, models_impl
 from harness.judge import judge
-from harness.offload.backends import (
-    backend_names,
-    backend_unavailable,
-    describe,
-)
+from harness.offload.backends import backend_names, describe
 from harness.overrides import FLAGS as OVERRIDE_FLAGS
 from harness.overrides import add_flags as add_override_flags
 from harness.overrides import overrides
@@ -283,7 +279,6 @@ def _environment(args: argparse.Namespace) -> Environment:
     values = {name: getattr(args, name) for name in names if hasattr(args, name)}
     resolved = settings.checked(lambda: settings.resolve(values, impl=impl), UsageError)
     settings.apply(resolved)
-    args.backend = resolved.backend
     args.settings = resolved
     return Environment(
         device=resolved.device, backend=resolved.backend, model_size=resolved.model_size
@@ -292,7 +287,7 @@ def _environment(args: argparse.Namespace) -> Environment:
 
 def _unavailable(cases: list[Case], env: Environment) -> str | None:
     """Why the backend or a case's model implementation cannot run here (None if they can)."""
-    reason = backend_unavailable(env.backend, env.device)
+    reason = env.record.unavailable(env.device)
     return reason or impl_unavailable([case.impl for case in cases], env.device)
 
 
@@ -318,7 +313,7 @@ def _checked_cases(args: argparse.Namespace, env: Environment) -> list[Case]:
 def _summary_fields(args: argparse.Namespace, env: Environment) -> dict[str, Any]:
     """The run's own fields of summary.json (status and seconds are added as it ends)."""
     return dict(
-        backend=args.backend,
+        backend=env.record.spelling,
         device=str(env.device),
         matrix=args.matrix if not (args.case or args.pattern or args.offload) else None,
         model_size=env.model_size,
@@ -518,7 +513,7 @@ def _repro_spec(args: argparse.Namespace) -> ReproSpec:
         case=case,
         model=model,
         run=run,
-        backend=env.backend,
+        backend=env.record,
         device=env.device,
         model_size=env.model_size,
         preset=args.preset or None,

@@ -15,6 +15,7 @@ import torch
 from harness.cases import MCORE_FAMILY, Case, default_matrix, full_matrix
 from harness.environment import Environment
 from harness.impls import IMPLS
+from harness.offload.backends import Backend
 from harness.overrides import FIELDS, spelled
 from harness.spec import PRESETS
 
@@ -22,7 +23,7 @@ from harness.spec import PRESETS
 def repro_command(
     case: Case,
     *,
-    backend: str,
+    backend: Backend | str,
     device: torch.device | str,
     model_size: str,
     seed: int = 1234,
@@ -45,7 +46,7 @@ def repro_command(
         argv += ["--preset", preset, "--pattern", pattern, "--offload", ",".join(case.offload)]
         argv += ["--models", IMPLS[case.impl].models]  # whose models a custom case builds
     argv += spelled(case)  # every override, in the table's order (harness.overrides)
-    argv += ["--seed", str(seed), "--backend", backend]
+    argv += ["--seed", str(seed), "--backend", str(backend)]  # its spelling
     argv += ["--device", str(device), "--model-size", model_size]
     return [*argv, "--bisect"] if bisect else argv
 
@@ -75,7 +76,7 @@ def case_command(case: Case, env: Environment, *, bisect: bool = False) -> list[
     model = case.model_spec(env.model_size)
     return repro_command(
         case,
-        backend=env.backend,
+        backend=env.record,
         device=env.device,
         model_size=env.model_size,
         seed=seed,

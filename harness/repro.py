@@ -37,7 +37,7 @@ from harness.golden import trace_text
 from harness.learn import learn_from_steps
 from harness.models.hybrid import HybridModel
 from harness.observe import Observed, Windowed, corrupted_reloads, observe
-from harness.offload.backends import capabilities, resolve_backend
+from harness.offload.backends import Backend
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Offloader
 from harness.offload.recorder import GroupObservation, RecordingOffloader
@@ -53,7 +53,8 @@ class ReproSpec:
     case: Case
     model: ModelSpec
     run: RunSpec
-    backend: str
+    backend: Backend
+    """Resolved once, at the command line (``harness.offload.backends.Backend``)."""
     device: torch.device
     model_size: str
     preset: str | None = None
@@ -86,7 +87,7 @@ class ReproSpec:
             "case": case,
             "model": dataclasses.asdict(self.model),
             "run": dataclasses.asdict(self.run),
-            "backend": self.backend,
+            "backend": self.backend.spelling,
             "device": str(self.device),
             "model_size": self.model_size,
             "preset": self.preset,
@@ -147,7 +148,7 @@ def _train(
 
 
 def _backend(spec: ReproSpec) -> Offloader:
-    return resolve_backend(spec.backend)(spec.case.offload_config(), spec.device)
+    return spec.backend.build(spec.case.offload_config(), spec.device)
 
 
 def rule_line(
@@ -156,7 +157,7 @@ def rule_line(
     """The rule the case's transfers are predicted with, in one line: the backend's declared
     one, or the one learned from the offload run's warmup and first steady step
     (``harness.learn``), as ``offload-harness run`` prints it."""
-    declared = capabilities(spec.backend).semantics
+    declared = spec.backend.semantics
     if declared is not None:
         return f"declared rule: {declared.label}"
     mine = [s.without(own) for s in seen]
@@ -250,7 +251,8 @@ def reproduce(
         lines.append(text)
         out(text)
 
-    say(f"case {spec.case.name} (backend {spec.backend}, {spec.device}, seed {spec.run.seed})")
+    backend = spec.backend.spelling
+    say(f"case {spec.case.name} (backend {backend}, {spec.device}, seed {spec.run.seed})")
     plain = _train(spec, NoOffload(), "baseline", keep=True)
     recorder = RecordingOffloader(spec.case.offload_config(), spec.device)
     own: list[Observed] = []  # the model's own copies inside group windows
@@ -293,7 +295,7 @@ def reproduce(
             spec=spec.model,
             run=spec.run,
             config=spec.case.offload_config(),
-            make_offloader=lambda config: resolve_backend(spec.backend)(config, spec.device),
+            make_offloader=lambda config: spec.backend.build(config, spec.device),
             device=spec.device,
             baseline=plain,
             tolerance=tolerance,

@@ -27,6 +27,8 @@ from harness.cases import MATRICES, MODEL_SIZES, MODELS_CHOICES
 if TYPE_CHECKING:  # the table imports without torch
     import torch
 
+    from harness.offload.backends import Backend
+
 
 class SettingError(ValueError):
     """A bad setting: one line that names the flag, what is allowed and what was given."""
@@ -357,9 +359,10 @@ def resolve_report_dir(text: str | Path | None) -> Path | None:
 
 def resolve_backend(
     text: str | None, device: torch.device, *, models: str = "harness", race_delays: str = ""
-) -> str:
-    """The backend spelling to run: the name given (else ``models``' default), resolved once
-    up front, with ``race_delays`` folded in (CUDA only), then probed on ``device``
+) -> Backend:
+    """The backend to run, as the record the run passes on (``backends.Backend``): the name
+    given (else ``models``' default), resolved once up front, with ``race_delays`` folded in
+    (CUDA only), then probed on ``device``
     (``backends.probe_backend``: the factory is called once and must return an ``Offloader``;
     not for a backend unavailable on ``device``, whose reason the run reports). It does not
     initialise CUDA in this process either: on CUDA it runs in a spawned child unless this
@@ -390,23 +393,24 @@ def resolve_backend(
     return _probed(spelled, device)
 
 
-def _probed(backend: str, device: torch.device) -> str:
-    """``backend`` once ``backends.probe_backend`` accepted it on ``device``."""
+def _probed(backend: str, device: torch.device) -> Backend:
+    """``backend``'s record once ``backends.probe_backend`` accepted it on ``device``."""
     from harness.offload import backends
 
     try:
         backends.probe_backend(backend, device)
+        return backends.backend_record(backend)
     except ValueError as exc:
         raise SettingError(f"--backend: {exc}") from None
-    return backend
 
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     """What one session's options resolved to (the same for the CLI and pytest)."""
 
-    backend: str
-    """Backend spelling, race delays included (``harness.offload.backends``)."""
+    backend: Backend
+    """The backend resolved once (``harness.offload.backends.Backend``; its ``spelling``
+    includes the race delays)."""
     device: torch.device
     models: str
     """Whose models the rows build: ``harness``, ``mcore`` or ``all`` (``Case.impl``)."""

@@ -9,14 +9,17 @@ the tables generated them, so a table that drifts fails here rather than agreein
 from __future__ import annotations
 
 import argparse
+import pickle
 from typing import Any
 
 import pytest
+import torch
 
 from harness import overrides, settings
 from harness.cases import Case, default_matrix, matrix
 from harness.cli import _parser, main
 from harness.commands import repro_command, table_row
+from harness.environment import Environment
 from harness.offload import backends, broken
 from harness.offload.protocol import Capabilities
 from harness.offload.reference import OffloadContext
@@ -176,3 +179,56 @@ def test_the_family_alias_works_in_pytest(pytester: pytest.Pytester) -> None:
     assert result.stderr.str().count(NOTICE) == 1, result.stderr.str()
     result = pytester.runpytest("-p", "harness.plugin", "--models", "mcore", "--report-dir", "")
     assert result.ret == pytest.ExitCode.OK and NOTICE not in result.stderr.str()
+
+
+# ----------------------------------------------------------------- the resolved backend record
+
+
+@pytest.mark.parametrize(
+    "spelling", ["reference", "hooks", "broken.corrupt_reload", "reference+delays:d2h=5"]
+)
+def test_a_backend_record_pickles_and_round_trips(spelling: str) -> None:
+    record = backends.backend_record(spelling)
+    assert str(record) == record.spelling == spelling
+    assert record.capabilities == backends.capabilities(spelling)
+    again = pickle.loads(pickle.dumps(record))
+    assert again == record and again.spelling == spelling
+    assert (again.name, again.factory_path, again.role, again.extra, again.delays) == (
+        record.name,
+        record.factory_path,
+        record.role,
+        record.extra,
+        record.delays,
+    )
+    assert again.capabilities == record.capabilities
+    assert backends.backend_record(record) is record
+
+
+def test_a_backend_record_carries_the_table_and_the_declaration() -> None:
+    reference = backends.backend_record("reference+delays")
+    assert (reference.name, reference.role, reference.extra) == ("reference", "offloader", None)
+    assert reference.factory_path == "harness.offload.reference:OffloadContext"
+    assert reference.delays == backends.DEFAULT_RACE_DELAYS
+    assert reference.semantics is OffloadContext.capabilities.semantics is not None
+    custom = backends.backend_record("harness.offload.passthrough:NoOffload")
+    assert (custom.role, custom.factory_path, custom.delays) == (
+        "custom",
+        "harness.offload.passthrough:NoOffload",
+        None,
+    )
+    assert custom.unavailable(torch.device("cpu")) is None
+    assert backends.backend_record("mcore").unavailable(torch.device("cpu")) is not None
+
+
+def test_an_environment_resolves_its_backend_once_and_pickles() -> None:
+    """The settings hand the record on; an environment made from a spelling (tests, tools)
+    resolves it on construction; both pickle for the worker pool with the backend intact."""
+    resolved = settings.resolve({"backend": "broken.corrupt_reload", "device": "cpu"}).backend
+    assert isinstance(resolved, backends.Backend)
+    env = Environment(device=torch.device("cpu"), backend=resolved)
+    assert env.backend is resolved
+    spelled = Environment(device=torch.device("cpu"), backend="broken.corrupt_reload")
+    assert spelled == env and spelled.record.factory is resolved.factory
+    again = pickle.loads(pickle.dumps(env))
+    assert again == env and again.record.factory is broken.BROKEN["broken.corrupt_reload"]
+    assert again.declared == env.declared

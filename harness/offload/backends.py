@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -119,6 +119,79 @@ anywhere."""
 DELAYS = "+delays"
 DEFAULT_RACE_DELAYS = RaceDelays(d2h=LONG_DELAY, h2d=LONG_DELAY)
 """``<backend>+delays`` without values: both copy streams slowed by about 10 ms per group."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backend:
+    """A ``--backend`` resolved once, at the entry point (``harness.settings``), and passed on as
+    this record: what it is called, where its factory lives, what it is for and what it
+    declares. Everything after the entry point reads these fields instead of parsing the
+    spelling again.
+
+    It pickles as its spelling and is resolved again where it is unpickled (a worker process
+    imports the factory's module anyway, and a factory's record may hold a function that does
+    not pickle, such as a test's lambda); equality is the spelling's."""
+
+    spelling: str
+    """As given and reported (``summary.json``, the repro command): a name or
+    ``package.module:factory``, with ``+delays[:...]`` where race delays apply."""
+    name: str = field(compare=False)
+    """The spelling without its race delays."""
+    factory_path: str = field(compare=False)
+    """``module:attribute`` of the factory."""
+    role: str = field(compare=False)
+    """The table's (``BackendEntry.role``); ``custom`` for an import path."""
+    extra: str | None = field(compare=False, default=None)
+    """What its module needs beyond torch (``BackendEntry.extra``)."""
+    delays: RaceDelays | None = field(compare=False, default=None)
+    """The race delays its spelling adds (None: none)."""
+    capabilities: Capabilities = field(compare=False, default=Capabilities())
+    """What its factory declares (``UNDECLARED`` when nothing)."""
+    factory: Factory = field(compare=False, repr=False, default=None)  # type: ignore[assignment]
+    """The factory itself (``(config, device) -> Offloader``)."""
+
+    def __str__(self) -> str:
+        return self.spelling
+
+    def __reduce__(self) -> tuple[Callable[[str], Backend], tuple[str]]:
+        return backend_record, (self.spelling,)
+
+    def build(self, config: OffloadConfig, device: torch.device) -> Offloader:
+        """A fresh offloader of this backend."""
+        return self.factory(config, device)
+
+    @property
+    def semantics(self) -> Semantics | None:
+        """The copy rules its factory declares, or None (learned from what it does)."""
+        return self.capabilities.semantics  # type: ignore[no-any-return]
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why it cannot run on ``device`` (its record's ``unavailable``), or None."""
+        check = self.capabilities.unavailable
+        return None if check is None else check(device)
+
+
+def backend_record(spec: str | Backend) -> Backend:
+    """``spec`` resolved into a ``Backend`` (a ``ValueError`` as ``resolve_backend``'s); a
+    record is returned as it is."""
+    if isinstance(spec, Backend):
+        return spec
+    factory = resolve_backend(spec)
+    base, plus, tail = spec.partition(DELAYS)
+    entry = NAMED.get(base)
+    delays = None
+    if plus:
+        delays = parse_race_delays(tail[1:]) if tail else DEFAULT_RACE_DELAYS
+    return Backend(
+        spelling=spec,
+        name=base,
+        factory_path=entry.factory if entry is not None else base,
+        role=entry.role if entry is not None else "custom",
+        extra=entry.extra if entry is not None else None,
+        delays=delays,
+        capabilities=_declared(factory, spec),
+        factory=factory,
+    )
 
 
 def backend_names() -> list[str]:
