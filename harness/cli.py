@@ -28,25 +28,21 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from harness import settings
-from harness.bytecode import missing_bytecode
 from harness.cases import (
     MATRICES,
     Case,
     find_case,
     matrix,
 )
-from harness.environment import Environment
-from harness.html import render_index
-from harness.impls import impl_unavailable, models_impl
-from harness.judge import judge
+from harness.diagnose.repro import ReproSpec, reproduce
+from harness.execute.environment import Environment
 from harness.offload.backends import backend_names, describe
 from harness.overrides import FLAGS as OVERRIDE_FLAGS
 from harness.overrides import add_flags as add_override_flags
 from harness.overrides import overrides
-from harness.parallel import threads_per_worker
-from harness.plots import preload_plotting
-from harness.report import (
+from harness.reporting.html import render_index
+from harness.reporting.plots import preload_plotting
+from harness.reporting.report import (
     REPORT_INCOMPLETE,
     claim_run_folder,
     is_failure,
@@ -56,10 +52,14 @@ from harness.report import (
     write_junit,
     write_summary,
 )
-from harness.repro import ReproSpec, reproduce
-from harness.session import run_cases
-from harness.spec import PRESETS, check_fits, parse_pattern, preset
+from harness.run import settings
+from harness.run.parallel import threads_per_worker
+from harness.run.session import run_cases
 from harness.tools import TOOLS
+from harness.util.bytecode import missing_bytecode
+from harness.verify.judge import judge
+from harness.vocab.impls import impl_unavailable, models_impl
+from harness.vocab.spec import PRESETS, check_fits, parse_pattern, preset
 
 
 class UsageError(Exception):
@@ -158,7 +158,7 @@ RUN_SETTINGS = (
     "cuda_sanitizer",
     "nvte_cpu_offload_v1",
 )
-"""Settings of every subcommand that runs cases (``harness.settings``, as in pytest)."""
+"""Settings of every subcommand that runs cases (``harness.run.settings``, as in pytest)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -262,7 +262,7 @@ def _run_one(case: Case, env: Environment, update_golden: bool = False) -> dict[
 
 
 def _environment(args: argparse.Namespace) -> Environment:
-    """The run's settings (``harness.settings``, as pytest resolves them) as an environment.
+    """The run's settings (``harness.run.settings``, as pytest resolves them) as an environment.
     With ``--case``, megatron-core's rows default to megatron-core's offloader."""
     impl = None
     custom = [f for f in ("pattern", "offload", "preset") if getattr(args, f, None)]

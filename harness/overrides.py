@@ -3,8 +3,9 @@ a flag (``--steps 3``) to change one ``--case`` row or a custom case.
 
 ``OVERRIDES`` generates everything that names them: the flags (``add_flags``), the case fields
 a parsed command line sets (``overrides``), the ``repro`` command line that spells a case's
-values back (``spelled``, used by ``harness.commands.repro_command``) and the fields a row may
-differ in and still be that row (``FIELDS``, ``harness.commands.table_row``). Adding one is a
+values back (``spelled``, used by ``harness.verify.commands.repro_command``) and the fields a row
+may
+differ in and still be that row (``FIELDS``, ``harness.verify.commands.table_row``). Adding one is a
 row here (its field must be a ``Case`` field).
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.cases import Case
-from harness.spec import PRECISIONS, SCHEDULES
+from harness.vocab.spec import PRECISIONS, SCHEDULES
 
 
 def _int_or_none(text: str) -> int | None:

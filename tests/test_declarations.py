@@ -15,15 +15,16 @@ from typing import Any
 import pytest
 import torch
 
-from harness import overrides, settings
+from harness import overrides
 from harness.cases import Case, default_matrix, matrix
 from harness.cli import _parser, main
-from harness.commands import repro_command, table_row
-from harness.environment import Environment
+from harness.execute.environment import Environment
 from harness.offload import backends, broken
 from harness.offload.protocol import Capabilities
 from harness.offload.reference import OffloadContext
-from harness.spec import PRECISIONS, SCHEDULES
+from harness.run import settings
+from harness.verify.commands import repro_command, table_row
+from harness.vocab.spec import PRECISIONS, SCHEDULES
 
 pytest_plugins = ["pytester"]
 

@@ -5,7 +5,7 @@ A factory is any callable ``(config: OffloadConfig, device: torch.device) -> Off
 (``harness.offload.protocol``). Resolution happens once, up front, so a bad name is a one-line
 ``ValueError`` before any model is built; a module that raises at import (any exception, a
 ``SyntaxError`` too) is one as well. ``probe_backend`` then calls the factory once and checks
-that it returns an ``Offloader`` (the entry points do so through ``harness.settings``). What the
+that it returns an ``Offloader`` (the entry points do so through ``harness.run.settings``). What the
 harness knows about a backend beyond that comes from the ``Capabilities`` record its factory
 declares (``capabilities(spec)``).
 
@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness import globalstate
 from harness.offload.broken import LONG_DELAY, OFFLOADERS
 from harness.offload.config import OffloadConfig
 from harness.offload.protocol import Capabilities, Offloader
 from harness.offload.reference import RaceDelays
 from harness.offload.semantics import Semantics
+from harness.util import globalstate
 
 Factory = Callable[[OffloadConfig, torch.device], Offloader]
 
@@ -113,7 +113,7 @@ NAMED: dict[str, BackendEntry] = {entry.name: entry for entry in BACKENDS}
 
 UNDECLARED = Capabilities()
 """The record of a factory that declares none: no description, no semantics (the prediction
-learns its rule from what it does, ``harness.learn``, and says so), no race delays, runs
+learns its rule from what it does, ``harness.execute.learn``, and says so), no race delays, runs
 anywhere."""
 
 DELAYS = "+delays"
@@ -123,8 +123,8 @@ DEFAULT_RACE_DELAYS = RaceDelays(d2h=LONG_DELAY, h2d=LONG_DELAY)
 
 @dataclass(frozen=True, kw_only=True)
 class Backend:
-    """A ``--backend`` resolved once, at the entry point (``harness.settings``), and passed on as
-    this record: what it is called, where its factory lives, what it is for and what it
+    """A ``--backend`` resolved once, at the entry point (``harness.run.settings``), and passed on
+    as this record: what it is called, where its factory lives, what it is for and what it
     declares. Everything after the entry point reads these fields instead of parsing the
     spelling again.
 
@@ -354,7 +354,7 @@ def _child_probe(spec: str, device: str) -> None:
 
 def _call_factory(spec: str, device: torch.device) -> None:
     """The probe itself, in this process (whatever process-global torch state the backend
-    changes when built is undone: its cases' runs judge that, ``harness.globalstate``)."""
+    changes when built is undone: its cases' runs judge that, ``harness.util.globalstate``)."""
     factory = resolve_backend(spec)
     try:
         with globalstate.restoring():
@@ -420,7 +420,7 @@ def _declared(factory: Factory, shown: str) -> Capabilities:
     if record.semantics is not None and not isinstance(record.semantics, Semantics):
         raise ValueError(
             f"backend {shown!r}: its capabilities' semantics is a "
-            f"{type(record.semantics).__name__}, not a harness.predict.Semantics"
+            f"{type(record.semantics).__name__}, not a harness.offload.semantics.Semantics"
         )
     return record
 
