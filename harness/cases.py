@@ -509,7 +509,8 @@ feature). No row selects ``gdp_qkv``: no model the harness builds opens it."""
 MCORE_FAMILY: tuple[Case, ...] = MCORE_ROWS + MCORE_SHARDED_ROWS + MCORE_KNOB_ROWS + MCORE_MAIN_ROWS
 """Every row of ``--family mcore``."""
 
-FAMILY_CHOICES = ("harness", "mcore", "all")
+MODELS_CHOICES = ("harness", "mcore", "all")
+"""``--models``: whose models the rows build (ours, megatron-core's, or both)."""
 """``--family``: whose models the session's rows build (``Case.impl``), or both."""
 
 
@@ -545,16 +546,16 @@ def default_matrix() -> list[Case]:
 MATRICES = {"default": default_matrix, "full": full_matrix}
 
 
-def matrix(name: str, family: str = "harness") -> list[Case]:
-    """A matrix by name (``default`` or ``full``): its rows on our models (``family``
+def matrix(name: str, models: str = "harness") -> list[Case]:
+    """A matrix by name (``default`` or ``full``): its rows on our models (``models``
     ``harness``), the ``MCORE_ROWS`` (``mcore``) or both (``all``)."""
     try:
         rows = MATRICES[name]()
     except KeyError:
         raise ValueError(f"unknown matrix {name!r}; known: {', '.join(MATRICES)}") from None
-    if family not in FAMILY_CHOICES:
-        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILY_CHOICES)}")
-    return {"harness": rows, "mcore": list(MCORE_FAMILY), "all": rows + list(MCORE_FAMILY)}[family]
+    if models not in MODELS_CHOICES:
+        raise ValueError(f"unknown models {models!r}; known: {', '.join(MODELS_CHOICES)}")
+    return {"harness": rows, "mcore": list(MCORE_FAMILY), "all": rows + list(MCORE_FAMILY)}[models]
 
 
 def find_case(case_id: str) -> Case:

@@ -37,11 +37,10 @@ from harness.cases import (
 from harness.diagnose.repro import ReproSpec, reproduce
 from harness.execute.environment import Environment
 from harness.models.mcore import features as mcore_features
-from harness.offload.backends import (
-    backend_names,
-    backend_unavailable,
-    describe,
-)
+from harness.offload.backends import backend_names, describe
+from harness.overrides import FLAGS as OVERRIDE_FLAGS
+from harness.overrides import add_flags as add_override_flags
+from harness.overrides import overrides
 from harness.reporting.html import render_index
 from harness.reporting.plots import preload_plotting
 from harness.reporting.report import (
@@ -60,8 +59,8 @@ from harness.run.session import run_cases
 from harness.tools import TOOLS
 from harness.util.bytecode import missing_bytecode
 from harness.verify.judge import judge
-from harness.vocab.impls import IMPLS, family_impl, impl_unavailable
-from harness.vocab.spec import PRECISIONS, PRESETS, SCHEDULES, check_fits, parse_pattern, preset
+from harness.vocab.impls import IMPLS, impl_unavailable, models_impl
+from harness.vocab.spec import PRESETS, check_fits, parse_pattern, preset
 
 
 class UsageError(Exception):
@@ -168,7 +167,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run cases and write a report")
     settings.add_arguments(
-        run, (*RUN_SETTINGS, "matrix", "family", "jobs", "case_timeout", "update_golden")
+        run, (*RUN_SETTINGS, "matrix", "models", "jobs", "case_timeout", "update_golden")
     )
     run.add_argument(
         "--case",
@@ -177,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _case_flags(run.add_argument_group("one custom case (instead of the matrix) or overrides"))
     repro = sub.add_parser("repro", help="reproduce one case: loss table, first divergence")
-    settings.add_arguments(repro, (*RUN_SETTINGS, "family"))
+    settings.add_arguments(repro, (*RUN_SETTINGS, "models"))
     repro.add_argument("--case", help="a case id; the flags below override its fields")
     _case_flags(repro.add_argument_group("a custom case (or overrides of --case)"))
     repro.add_argument("--preset", choices=tuple(PRESETS), help="model preset of a custom case")
@@ -186,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
         "--bisect", action="store_true", help="on divergence, find the smallest groups/layers"
     )
     listing = sub.add_parser("cases", help="list case ids")
-    settings.add_arguments(listing, ("matrix", "family"))
+    settings.add_arguments(listing, ("matrix", "models"))
     sub.add_parser("backends", help="list backend names, one line each with a description")
     for name, module in TOOLS.items():  # their own parsers take the rest of the line
         sub.add_parser(name, help=f"the {name} tool ({module}; --help for its options)")
@@ -196,37 +195,13 @@ def _parser() -> argparse.ArgumentParser:
 def _case_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pattern", help="layer pattern, e.g. +-+-+-")
     group.add_argument("--offload", help="comma-separated group names, e.g. core_attn,attn_proj")
-    group.add_argument("--steps", type=int, help=f"default {_DEFAULTS['steps']}")
-    group.add_argument("--microbatches", type=int, help=f"default {_DEFAULTS['microbatches']}")
-    group.add_argument("--schedule", choices=SCHEDULES, help=f"default {_DEFAULTS['schedule']}")
-    group.add_argument("--precision", choices=PRECISIONS, help=f"default {_DEFAULTS['precision']}")
-    group.add_argument("--max-inflight", help="int >= 0, or none (default 1)")
-
-
-_DEFAULTS: dict[str, Any] = {
-    name: Case.__dataclass_fields__[name].default
-    for name in ("steps", "microbatches", "schedule", "precision", "max_inflight")
-}
-"""The case fields the flags override, with the case table's own defaults (for the help)."""
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The case fields the flags set explicitly."""
-    out = {
-        k: getattr(args, k)
-        for k in ("steps", "microbatches", "schedule", "precision")
-        if getattr(args, k) is not None
-    }
-    if args.max_inflight is not None:
-        value = args.max_inflight
-        out["max_inflight"] = None if value == "none" else _int("--max-inflight", value)
-    return out
+    add_override_flags(group)
 
 
 def _row_with_overrides(args: argparse.Namespace, name: str | None = None) -> Case:
     """The ``--case`` row (``name``, one of several under ``run``) with the fields the flags
     set (``run`` and ``repro`` alike)."""
-    return find_case(name or args.case).replace(**_overrides(args))
+    return find_case(name or args.case).replace(**overrides(args))
 
 
 def _case_ids(args: argparse.Namespace) -> list[str]:
@@ -250,24 +225,18 @@ def _custom_case(args: argparse.Namespace, pattern: str | None = None) -> Case:
         raise UsageError("a custom case needs both --pattern and --offload")
     parse_pattern(pattern)
     names = tuple(n.strip() for n in args.offload.split(",") if n.strip())
-    impl = family_impl(args.family if args.family != "all" else "harness").name
+    models = args.settings.models
+    impl = models_impl(models if models != "all" else "harness").name
     try:
         return Case(
             family=_family(pattern, names),
             offload=names,
             custom_pattern=pattern,
             impl=impl,
-            **_overrides(args),
+            **overrides(args),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-
-
-def _int(option: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise UsageError(f"{option} must be an int or none, got {value!r}") from None
 
 
 def _select(args: argparse.Namespace) -> list[Case]:
@@ -280,12 +249,12 @@ def _select(args: argparse.Namespace) -> list[Case]:
             return [_row_with_overrides(args, name) for name in _case_ids(args)]
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    if _overrides(args):
+    if overrides(args):
         raise UsageError(
-            "--steps/--microbatches/--schedule/--precision/--max-inflight apply to one case "
+            f"{OVERRIDE_FLAGS} apply to one case "
             "(--case, or --pattern with --offload), not to the whole matrix"
         )
-    return matrix(args.matrix, args.family)
+    return matrix(args.settings.matrix, args.settings.models)
 
 
 def _run_one(case: Case, env: Environment, update_golden: bool = False) -> dict[str, Any]:
@@ -307,10 +276,10 @@ def _environment(args: argparse.Namespace) -> Environment:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         impl = impls.pop() if len(impls) == 1 else None
-    values = {name: getattr(args, name) for name in settings.OPTIONS if hasattr(args, name)}
+    names = (*settings.OPTIONS, *settings.DEPRECATED)
+    values = {name: getattr(args, name) for name in names if hasattr(args, name)}
     resolved = settings.checked(lambda: settings.resolve(values, impl=impl), UsageError)
     settings.apply(resolved)
-    args.backend = resolved.backend
     args.settings = resolved
     return Environment(
         device=resolved.device, backend=resolved.backend, model_size=resolved.model_size
@@ -319,15 +288,17 @@ def _environment(args: argparse.Namespace) -> Environment:
 
 def _unavailable(cases: list[Case], env: Environment) -> str | None:
     """Why the backend or a case's model implementation cannot run here (None if they can)."""
-    reason = backend_unavailable(env.backend, env.device)
+    reason = env.record.unavailable(env.device)
     return reason or impl_unavailable([case.impl for case in cases], env.device)
 
 
-def command_run(args: argparse.Namespace) -> int:
-    env = _environment(args)
+def _checked_cases(args: argparse.Namespace, env: Environment) -> list[Case]:
+    """The selected cases, each applying to its model and fitting, before any run; refused
+    when the backend or a model implementation cannot run here, or when golden traces would
+    be written for a case that is not a table row."""
     try:
         cases = _select(args)
-        for case in cases:  # every selected case applies to its model and fits, before any run
+        for case in cases:
             check_fits(env.spec(case), case.run_spec())
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -337,83 +308,96 @@ def command_run(args: argparse.Namespace) -> int:
     table = {c.name for name in MATRICES for c in matrix(name, "all")}
     if args.update_golden and any(c.name not in table for c in cases):
         raise UsageError("--update-golden: golden traces are kept for case-table rows only")
-    jobs = settings.checked(
-        lambda: settings.resolve_jobs(args.settings.jobs, env.device, len(cases)), UsageError
-    )
-    plots = settings.checked(settings.resolve_plots, UsageError)
-    folder = _claim_folder(args.settings.report_dir)
+    return cases
+
+
+def _summary_fields(
+    args: argparse.Namespace, env: Environment, cases: list[Case]
+) -> dict[str, Any]:
+    """The run's own fields of summary.json (status and seconds are added as it ends); which
+    megatron-core ran, where a case runs its models."""
     fields: dict[str, Any] = dict(
-        backend=args.backend,
+        backend=env.record.spelling,
         device=str(env.device),
         matrix=args.matrix if not (args.case or args.pattern or args.offload) else None,
         model_size=env.model_size,
         nvte_cpu_offload_v1=args.settings.nvte_cpu_offload_v1,
         cuda_sanitizer=args.settings.cuda_sanitizer,
     )
-    if any(IMPLS[case.impl].family == "mcore" for case in cases):  # which megatron-core ran
+    if any(IMPLS[case.impl].models == "mcore" for case in cases):
         fields["megatron_core"] = mcore_features.summary_record()
-    report = _ReportWriter(folder)
-    records: list[dict[str, Any] | None] = [None] * len(cases)
-    start = time.perf_counter()
+    return fields
 
-    def finished() -> list[dict[str, Any]]:
-        return [r for r in records if r is not None]
 
-    def on_record(index: int, record: dict[str, Any], seconds: float) -> None:
+class _Progress:
+    """The console lines and the running summary.json while the cases run: one line per
+    finished case (and the rule it was held to, once), a valid summary after every case."""
+
+    def __init__(
+        self, cases: list[Case], env: Environment, report: _ReportWriter, fields: dict[str, Any]
+    ) -> None:
+        self.cases, self.env, self.report, self.fields = cases, env, report, fields
+        self.records: list[dict[str, Any] | None] = [None] * len(cases)
+        self.start = time.perf_counter()
+
+    def finished(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r is not None]
+
+    def on_record(self, index: int, record: dict[str, Any], seconds: float) -> None:
         record["duration"] = round(seconds, 3)
-        records[index] = record
-        done = len(finished())
-        print(f"[{done}/{len(cases)}] {cases[index].name} {record['verdict']} ({seconds:.1f}s)")
+        self.records[index] = record
+        done = len(self.finished())
+        name = self.cases[index].name
+        print(f"[{done}/{len(self.cases)}] {name} {record['verdict']} ({seconds:.1f}s)")
         rule = record.get("rule", {})
         if rule.get("source") == "observed":  # once per case: what it was held to
             print(f"  {rule['line']}")
         sys.stdout.flush()
+        folder = self.report.folder
         if folder is not None:  # a valid summary.json after every case
-            seconds_so_far = round(time.perf_counter() - start, 2)
-            report.write(
+            seconds_so_far = round(time.perf_counter() - self.start, 2)
+            self.report.write(
                 "summary.json",
                 lambda: write_summary(
-                    folder, finished(), status="running", seconds=seconds_so_far, **fields
+                    folder, self.finished(), status="running", seconds=seconds_so_far, **self.fields
                 ),
             )
 
-    if folder is not None and plots:
-        preload_plotting()
-    note = missing_bytecode(sys.modules["torch"])
-    if note:
-        print(f"note: {note}")
-
-    def on_start(workers: int) -> None:
+    def on_start(self, workers: int) -> None:
         threads = threads_per_worker(workers)
         print(
-            f"running {len(cases)} case(s) on {env.device} ({env.model_size} models): "
-            f"{workers} worker(s) x {threads} thread(s)",
+            f"running {len(self.cases)} case(s) on {self.env.device} ({self.env.model_size} "
+            f"models): {workers} worker(s) x {threads} thread(s)",
             flush=True,
         )
 
-    stopped = 0  # the exit code of a run a signal stopped
+
+def _run_stoppably(
+    args: argparse.Namespace, env: Environment, jobs: int, progress: _Progress
+) -> tuple[str, int]:
+    """Run the cases; the run's status and, when a signal stopped it, the exit code (else 0)."""
     try:
         with _stopped_by_signals():
             status = run_cases(
-                cases,
+                progress.cases,
                 env,
                 jobs=jobs,
                 timeout=args.settings.case_timeout,
-                folder=folder,
-                on_record=on_record,
+                folder=progress.report.folder,
+                on_record=progress.on_record,
                 update_golden=args.update_golden,
-                on_start=on_start,
+                on_start=progress.on_start,
             )
     except KeyboardInterrupt:
-        status, stopped = "interrupted", 128 + signal.SIGINT
+        return "interrupted", 128 + signal.SIGINT
     except Stopped as stop:
-        status, stopped = "terminated", 128 + stop.signum
-    fields.update(status=status, seconds=round(time.perf_counter() - start, 2))
-    summary = json.loads(summary_text(finished(), **fields))
-    where = _write_report(report, summary, fields, finished(), stopped=bool(stopped))
-    if stopped:
-        print(f"\n{status} after {len(finished())} of {len(cases)} cases; {where}")
-        return stopped
+        return "terminated", 128 + stop.signum
+    return status, 0
+
+
+def _print_outcome(summary: dict[str, Any], total: int, where: str) -> int:
+    """The verdict table, each failure's problems, the golden, note and skip lines and the
+    closing count; the number of failed cases."""
     print()
     print(verdict_table(summary))
     for case in summary["cases"]:
@@ -423,7 +407,7 @@ def command_run(args: argparse.Namespace) -> int:
     missing = [c for c in summary["cases"] if c.get("golden", {}).get("status") == "missing"]
     if missing:
         print(
-            f"\ngolden: {len(missing)} of {len(cases)} cases not compared - "
+            f"\ngolden: {len(missing)} of {total} cases not compared - "
             f"{missing[0]['golden']['message']}"
         )
     for case in summary["cases"]:
@@ -433,9 +417,38 @@ def command_run(args: argparse.Namespace) -> int:
     skipped = [c for c in summary["cases"] if c["verdict"] == "skip"]
     for case in skipped:
         print(f"\nSKIP {case['name']}: {skip_reason(case)}")
-    passed = len(cases) - failed - len(skipped)
+    passed = total - failed - len(skipped)
     also = f", {len(skipped)} skipped" if skipped else ""
-    print(f"\n{passed}/{len(cases)} cases passed{also} in {summary['seconds']:.1f}s; {where}")
+    print(f"\n{passed}/{total} cases passed{also} in {summary['seconds']:.1f}s; {where}")
+    return failed
+
+
+def command_run(args: argparse.Namespace) -> int:
+    """Check the selection, claim the report folder, run the cases with progress lines,
+    write the report and print the outcome; the exit code."""
+    env = _environment(args)
+    cases = _checked_cases(args, env)
+    jobs = settings.checked(
+        lambda: settings.resolve_jobs(args.settings.jobs, env.device, len(cases)), UsageError
+    )
+    plots = settings.checked(settings.resolve_plots, UsageError)
+    folder = _claim_folder(args.settings.report_dir)
+    fields = _summary_fields(args, env, cases)
+    report = _ReportWriter(folder)
+    progress = _Progress(cases, env, report, fields)
+    if folder is not None and plots:
+        preload_plotting()
+    note = missing_bytecode(sys.modules["torch"])
+    if note:
+        print(f"note: {note}")
+    status, stopped = _run_stoppably(args, env, jobs, progress)
+    fields.update(status=status, seconds=round(time.perf_counter() - progress.start, 2))
+    summary = json.loads(summary_text(progress.finished(), **fields))
+    where = _write_report(report, summary, fields, progress.finished(), stopped=bool(stopped))
+    if stopped:
+        print(f"\n{status} after {len(progress.finished())} of {len(cases)} cases; {where}")
+        return stopped
+    failed = _print_outcome(summary, len(cases), where)
     if report.failed and not stopped:
         return REPORT_INCOMPLETE
     return 1 if failed or status != "complete" else 0
@@ -507,7 +520,7 @@ def _repro_spec(args: argparse.Namespace) -> ReproSpec:
         case=case,
         model=model,
         run=run,
-        backend=env.backend,
+        backend=env.record,
         device=env.device,
         model_size=env.model_size,
         preset=args.preset or None,
@@ -541,11 +554,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cases":
             chosen = settings.checked(
                 lambda: settings.resolve(
-                    {"matrix": args.matrix, "family": args.family, "device": "cpu"}
+                    {
+                        "matrix": args.matrix,
+                        "models": args.models,
+                        "family": args.family,
+                        "device": "cpu",
+                    }
                 ),
                 UsageError,
             )
-            print("\n".join(c.name for c in matrix(chosen.matrix, chosen.family)))
+            print("\n".join(c.name for c in matrix(chosen.matrix, chosen.models)))
             return 0
         if args.command == "backends":
             names = backend_names()

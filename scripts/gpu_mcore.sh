@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# megatron-core's own models (family mcore) on a GPU box where TransformerEngine and megatron-core
+# megatron-core's own models (--models mcore) on a GPU box where TransformerEngine and megatron-core
 # import (docs/megatron-core.md says how to install both). In order, each section with its own time limit
 # so one slow part cannot eat the others' output:
 #   seed        the seed case through `offload-harness run` with megatron-core's offloader
 #   seed-delays the same with race-provocation delays on its streams (mcore+delays)
-#   cases       every mcore row, every case file (pytest cases/ --family mcore)
+#   cases       every mcore row, every case file (pytest cases/ --models mcore)
 #   moe-delays  the MoE rows (both expert paths) under delays
 #   bridge      the mcore rows with the harness's reference offloader inside megatron-core's
 #               modules (through the bridge)
@@ -37,8 +37,8 @@ section() {  # section NAME LIMIT COMMAND...
   echo "== $name rc=$? in $((SECONDS - start))s"
   tail -n "${TAIL:-12}" "$OUT/$name.log"
 }
-RUN=(python3 -m harness run --family mcore --device cuda --report-dir "$OUT/reports")
-CASES=(python3 -m pytest -q -p no:cacheprovider --family mcore --device cuda --tb=short -rfEs
+RUN=(python3 -m harness run --models mcore --device cuda --report-dir "$OUT/reports")
+CASES=(python3 -m pytest -q -p no:cacheprovider --models mcore --device cuda --tb=short -rfEs
   --report-dir "$OUT/reports")
 
 section seed "${T_SEED:-150}" "${RUN[@]}" --case "$SEED"

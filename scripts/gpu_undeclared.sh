@@ -38,4 +38,4 @@ done
 for v1 in 0 1; do
   section te "${T_TE:-120}" "te-v1-$v1" "${RUN[@]}" --backend te --nvte-cpu-offload-v1 "$v1"
 done
-section mcore "${T_MCORE:-200}" mcore "${RUN[@]}" --family mcore
+section mcore "${T_MCORE:-200}" mcore "${RUN[@]}" --models mcore

@@ -30,14 +30,13 @@ from harness.execute.steps import first_grad_difference
 from harness.measure.observe import Observed, Windowed, corrupted_reloads, observe
 from harness.models.hybrid import HybridModel
 from harness.models.train import RunHooks, TrainResult, schedule_order, train
-from harness.offload.backends import capabilities, resolve_backend
+from harness.offload.backends import Backend
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Offloader
 from harness.offload.recorder import GroupObservation, RecordingOffloader
 from harness.reporting.report import run_folder
 from harness.util.compare import first_divergence, first_tensor_difference, loss_table, verdict
 from harness.verify.commands import (  # the builders' old home: importable from here too
-    OVERRIDABLE,  # noqa: F401
     case_command,  # noqa: F401
     model_family_preset,  # noqa: F401
     repro_command,
@@ -54,7 +53,8 @@ class ReproSpec:
     case: Case
     model: ModelSpec
     run: RunSpec
-    backend: str
+    backend: Backend
+    """Resolved once, at the command line (``harness.offload.backends.Backend``)."""
     device: torch.device
     model_size: str
     preset: str | None = None
@@ -87,7 +87,7 @@ class ReproSpec:
             "case": case,
             "model": dataclasses.asdict(self.model),
             "run": dataclasses.asdict(self.run),
-            "backend": self.backend,
+            "backend": self.backend.spelling,
             "device": str(self.device),
             "model_size": self.model_size,
             "preset": self.preset,
@@ -148,7 +148,7 @@ def _train(
 
 
 def _backend(spec: ReproSpec) -> Offloader:
-    return resolve_backend(spec.backend)(spec.case.offload_config(), spec.device)
+    return spec.backend.build(spec.case.offload_config(), spec.device)
 
 
 def rule_line(
@@ -157,7 +157,7 @@ def rule_line(
     """The rule the case's transfers are predicted with, in one line: the backend's declared
     one, or the one learned from the offload run's warmup and first steady step
     (``harness.execute.learn``), as ``offload-harness run`` prints it."""
-    declared = capabilities(spec.backend).semantics
+    declared = spec.backend.semantics
     if declared is not None:
         return f"declared rule: {declared.label}"
     mine = [s.without(own) for s in seen]
@@ -251,7 +251,8 @@ def reproduce(
         lines.append(text)
         out(text)
 
-    say(f"case {spec.case.name} (backend {spec.backend}, {spec.device}, seed {spec.run.seed})")
+    backend = spec.backend.spelling
+    say(f"case {spec.case.name} (backend {backend}, {spec.device}, seed {spec.run.seed})")
     plain = _train(spec, NoOffload(), "baseline", keep=True)
     recorder = RecordingOffloader(spec.case.offload_config(), spec.device)
     own: list[Observed] = []  # the model's own copies inside group windows
@@ -294,7 +295,7 @@ def reproduce(
             spec=spec.model,
             run=spec.run,
             config=spec.case.offload_config(),
-            make_offloader=lambda config: resolve_backend(spec.backend)(config, spec.device),
+            make_offloader=lambda config: spec.backend.build(config, spec.device),
             device=spec.device,
             baseline=plain,
             tolerance=tolerance,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.cases import Case
-from harness.offload.backends import capabilities, resolve_backend
+from harness.offload.backends import Backend, backend_record
 from harness.offload.config import OffloadConfig
 from harness.offload.protocol import Offloader
 from harness.offload.semantics import Semantics
@@ -22,8 +22,9 @@ class Environment:
     """Where and with what a case runs."""
 
     device: torch.device
-    backend: str = "reference"
-    """Backend under test: a name or ``module:factory``."""
+    backend: Backend | str = "reference"
+    """Backend under test: its record (``harness.offload.backends.Backend``); a spelling (a
+    name or ``module:factory``) given here is resolved into one."""
     model_size: str = "tiny"
     """``tiny`` (CPU sized) or ``small`` (GPU sized) presets."""
     undeclared: bool = False
@@ -31,17 +32,26 @@ class Environment:
     (``harness.execute.learn``) even where its factory declares one (``mutation-score
     --undeclared``)."""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", backend_record(self.backend))
+
+    @property
+    def record(self) -> Backend:
+        """The backend's record (``backend``, typed as resolved)."""
+        assert isinstance(self.backend, Backend)
+        return self.backend
+
     def offloader(self, config: OffloadConfig) -> Offloader:
         """The backend, built under ``harness.util.globalstate``'s guard: a change it makes to
         process-global torch state is a ``GlobalStateChanged``, and undone."""
         with globalstate.guarded("when built"):
-            return resolve_backend(self.backend)(config, self.device)
+            return self.record.build(config, self.device)
 
     @property
     def declared(self) -> Semantics | None:
         """The copy rules the backend's factory declares (the reference's and megatron-core's
         adapters declare theirs), or None: its rule is then learned from what it does."""
-        return None if self.undeclared else capabilities(self.backend).semantics
+        return None if self.undeclared else self.record.semantics
 
     def spec(self, case: Case) -> ModelSpec:
         spec = case.model_spec(self.model_size)

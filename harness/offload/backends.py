@@ -25,15 +25,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from harness.offload.broken import BROKEN, LONG_DELAY
+from harness.offload.broken import LONG_DELAY, OFFLOADERS
 from harness.offload.config import OffloadConfig
-from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Capabilities, Offloader
-from harness.offload.recorder import RecordingOffloader
-from harness.offload.reference import OffloadContext, RaceDelays
+from harness.offload.reference import RaceDelays
 from harness.offload.semantics import Semantics
 from harness.util import globalstate
 
@@ -50,22 +49,68 @@ OFFLOADER_MEMBERS: tuple[str, ...] = (
 """What an ``Offloader`` must have (``harness.offload.protocol``): ``name``, then its methods in
 declaration order."""
 
-BUILTIN: dict[str, Factory] = {
-    "reference": OffloadContext,
-    "none": NoOffload,
-    "hooks": RecordingOffloader,
-}
-"""Built-in backends. ``none`` and ``hooks`` are the two baselines."""
 
-EXTRA: dict[str, str] = {
-    "mcore": "harness.offload.mcore:McoreOffloader",
-    "mcore.inline-wait": "harness.offload.mcore:with_inline_reload_wait",
-    "save-on-cpu": "harness.offload.adapters:SaveOnCpu",
-    "te": "harness.offload.adapters:TeCpuOffload",
-}
-"""Further named backends provided by optional modules: name -> ``module:factory``. ``mcore``
-drives megatron-core's own offloader (CUDA and the ``mcore`` extra); ``mcore.inline-wait`` adds
-the D2H wait its inline reload lacks, to localise Megatron-LM #7398."""
+@dataclass(frozen=True, kw_only=True)
+class BackendEntry:
+    """One named backend: its name, where its factory lives, what it is there for, and what
+    must be installed beyond torch for it to import."""
+
+    name: str
+    factory: str
+    """``module:attribute`` of its factory, imported when the name is resolved (so an
+    optional module costs nothing until it is named)."""
+    role: str
+    """One of ``ROLES``: ``offloader`` (the one under test by default), ``baseline`` (the runs
+    the offload run is compared with), ``broken`` (a known bug, for the detection power),
+    ``adapter`` (another project's offloader)."""
+    extra: str | None = None
+    """What its module needs beyond torch: an extra of this project (``mcore``) or a package
+    (``transformer-engine``); None: nothing."""
+
+
+ROLES = ("offloader", "baseline", "broken", "adapter")
+
+BACKENDS: tuple[BackendEntry, ...] = (
+    BackendEntry(
+        name="reference", factory="harness.offload.reference:OffloadContext", role="offloader"
+    ),
+    BackendEntry(name="none", factory="harness.offload.passthrough:NoOffload", role="baseline"),
+    BackendEntry(
+        name="hooks", factory="harness.offload.recorder:RecordingOffloader", role="baseline"
+    ),
+    *(
+        BackendEntry(
+            name=record.name,
+            factory=f"{record.factory.__module__}:{record.factory.__qualname__}",
+            role="broken",
+        )
+        for record in OFFLOADERS
+    ),
+    BackendEntry(
+        name="mcore", factory="harness.offload.mcore:McoreOffloader", role="adapter", extra="mcore"
+    ),
+    BackendEntry(
+        name="mcore.inline-wait",
+        factory="harness.offload.mcore:with_inline_reload_wait",
+        role="adapter",
+        extra="mcore",
+    ),
+    BackendEntry(name="save-on-cpu", factory="harness.offload.adapters:SaveOnCpu", role="adapter"),
+    BackendEntry(
+        name="te",
+        factory="harness.offload.adapters:TeCpuOffload",
+        role="adapter",
+        extra="transformer-engine",
+    ),
+)
+"""Every named backend, in the order ``offload-harness backends`` lists them: the reference,
+the two baselines (``none``, ``hooks``), every broken offloader of ``harness.offload.broken``,
+then the adapters. ``mcore`` drives megatron-core's own offloader (CUDA and the ``mcore``
+extra); ``mcore.inline-wait`` adds the D2H wait its inline reload lacks, to localise
+Megatron-LM #7398."""
+
+NAMED: dict[str, BackendEntry] = {entry.name: entry for entry in BACKENDS}
+"""Every named backend by name."""
 
 UNDECLARED = Capabilities()
 """The record of a factory that declares none: no description, no semantics (the prediction
@@ -77,9 +122,88 @@ DEFAULT_RACE_DELAYS = RaceDelays(d2h=LONG_DELAY, h2d=LONG_DELAY)
 """``<backend>+delays`` without values: both copy streams slowed by about 10 ms per group."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Backend:
+    """A ``--backend`` resolved once, at the entry point (``harness.run.settings``), and passed on
+    as this record: what it is called, where its factory lives, what it is for and what it
+    declares. Everything after the entry point reads these fields instead of parsing the
+    spelling again.
+
+    It pickles as its spelling and is resolved again where it is unpickled (a worker process
+    imports the factory's module anyway, and a factory's record may hold a function that does
+    not pickle, such as a test's lambda); equality is the spelling's."""
+
+    spelling: str
+    """As given and reported (``summary.json``, the repro command): a name or
+    ``package.module:factory``, with ``+delays[:...]`` where race delays apply."""
+    name: str = field(compare=False)
+    """The spelling without its race delays."""
+    factory_path: str = field(compare=False)
+    """``module:attribute`` of the factory."""
+    role: str = field(compare=False)
+    """The table's (``BackendEntry.role``); ``custom`` for an import path."""
+    extra: str | None = field(compare=False, default=None)
+    """What its module needs beyond torch (``BackendEntry.extra``)."""
+    delays: RaceDelays | None = field(compare=False, default=None)
+    """The race delays its spelling adds (None: none)."""
+    capabilities: Capabilities = field(compare=False, default=Capabilities())
+    """What its factory declares (``UNDECLARED`` when nothing)."""
+    factory: Factory = field(compare=False, repr=False, default=None)  # type: ignore[assignment]
+    """The factory itself (``(config, device) -> Offloader``)."""
+
+    def __str__(self) -> str:
+        return self.spelling
+
+    def __reduce__(self) -> tuple[Callable[[str], Backend], tuple[str]]:
+        return backend_record, (self.spelling,)
+
+    def build(self, config: OffloadConfig, device: torch.device) -> Offloader:
+        """A fresh offloader of this backend."""
+        return self.factory(config, device)
+
+    @property
+    def semantics(self) -> Semantics | None:
+        """The copy rules its factory declares, or None (learned from what it does); a factory
+        that declares a function gets it called here, when first needed (megatron-core's rules
+        are read from the installed library)."""
+        declared = self.capabilities.semantics
+        if callable(declared):
+            declared = declared()
+            _declared_semantics(declared, self.spelling)
+        return declared  # type: ignore[no-any-return]
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why it cannot run on ``device`` (its record's ``unavailable``), or None."""
+        check = self.capabilities.unavailable
+        return None if check is None else check(device)
+
+
+def backend_record(spec: str | Backend) -> Backend:
+    """``spec`` resolved into a ``Backend`` (a ``ValueError`` as ``resolve_backend``'s); a
+    record is returned as it is."""
+    if isinstance(spec, Backend):
+        return spec
+    factory = resolve_backend(spec)
+    base, plus, tail = spec.partition(DELAYS)
+    entry = NAMED.get(base)
+    delays = None
+    if plus:
+        delays = parse_race_delays(tail[1:]) if tail else DEFAULT_RACE_DELAYS
+    return Backend(
+        spelling=spec,
+        name=base,
+        factory_path=entry.factory if entry is not None else base,
+        role=entry.role if entry is not None else "custom",
+        extra=entry.extra if entry is not None else None,
+        delays=delays,
+        capabilities=_declared(factory, spec),
+        factory=factory,
+    )
+
+
 def backend_names() -> list[str]:
     """Every name ``resolve_backend`` accepts without an import path."""
-    return [*BUILTIN, *BROKEN, *EXTRA]
+    return list(NAMED)
 
 
 def describe(name: str) -> str:
@@ -87,10 +211,12 @@ def describe(name: str) -> str:
     try:
         text = capabilities(name).description
     except ValueError:
-        if name not in EXTRA:
+        entry = NAMED.get(name)
+        if entry is None or entry.role != "adapter":
             raise
         text = ""  # its optional module does not import here
-    return text or f"optional backend ({EXTRA.get(name, name)})"
+    adapter = name in NAMED and NAMED[name].role == "adapter"
+    return text or f"optional backend ({NAMED[name].factory if adapter else name})"
 
 
 def capabilities(spec: str) -> Capabilities:
@@ -133,12 +259,8 @@ def resolve_backend(spec: str) -> Factory:
     base, plus, tail = spec.partition(DELAYS)
     if plus:
         return _delayed(base, tail, spec)
-    if spec in BUILTIN:
-        return BUILTIN[spec]
-    if spec in BROKEN:
-        return BROKEN[spec]
-    if spec in EXTRA:
-        return _import_factory(EXTRA[spec], shown=spec)
+    if spec in NAMED:
+        return _import_factory(NAMED[spec].factory, shown=spec)
     if ":" in spec:
         return _import_factory(spec, shown=spec)
     raise ValueError(

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.cases import FAMILY_CHOICES, MATRICES, MODEL_SIZES
+from harness.cases import MATRICES, MODEL_SIZES, MODELS_CHOICES
 
 if TYPE_CHECKING:  # the table imports without torch
     import torch
+
+    from harness.offload.backends import Backend
 
 
 class SettingError(ValueError):
@@ -64,7 +67,7 @@ _OPTIONS: tuple[Option, ...] = (
         "(default: reference; mcore for megatron-core's models)",
     ),
     Option(
-        dest="family",
+        dest="models",
         default="harness",
         help="whose models the rows build: harness (ours), mcore (megatron-core's HybridModel "
         "and GPTModel with TransformerEngine; needs CUDA, TransformerEngine and megatron-core: "
@@ -138,6 +141,22 @@ _OPTIONS: tuple[Option, ...] = (
 OPTIONS: dict[str, Option] = {option.dest: option for option in _OPTIONS}
 """Every setting by ``dest``."""
 
+DEPRECATED: dict[str, str] = {"family": "models"}
+"""Old flag ``dest`` -> the setting it still sets: ``--family`` was renamed ``--models``
+("family" is the model family of a case row, ``Case.family``). A deprecated flag takes the same
+values, and using it prints a one-line notice on stderr (``resolve``)."""
+
+
+def _deprecated_for(name: str) -> list[str]:
+    return [old for old, new in DEPRECATED.items() if new == name]
+
+
+def deprecation_notice(old: str) -> str:
+    """The one line printed when the deprecated flag ``old`` (a ``dest``) is used."""
+    new = OPTIONS[DEPRECATED[old]].flag
+    return f"offload-harness: --{old.replace('_', '-')} is deprecated; use {new} (the same values)"
+
+
 DEFAULT_CASE_TIMEOUT_S: dict[str, float] = {"cuda": 600.0, "cpu": 300.0}
 
 
@@ -159,6 +178,12 @@ def add_arguments(
             parser.add_argument(
                 option.flag, default=default, metavar=option.metavar, help=help_text
             )
+        for old in _deprecated_for(name):
+            parser.add_argument(
+                f"--{old.replace('_', '-')}",
+                metavar=option.metavar or old.upper(),
+                help=f"deprecated alias of {option.flag}",
+            )
 
 
 def add_pytest_options(group: Any, names: Iterable[str] | None = None) -> None:
@@ -170,6 +195,14 @@ def add_pytest_options(group: Any, names: Iterable[str] | None = None) -> None:
         else:
             group.addoption(
                 option.flag, default=option.default, metavar=option.metavar, help=option.help
+            )
+        for old in _deprecated_for(name):
+            group.addoption(
+                f"--{old.replace('_', '-')}",
+                dest=old,
+                default=None,
+                metavar=option.metavar or old.upper(),
+                help=f"deprecated alias of {option.flag}",
             )
 
 
@@ -325,10 +358,11 @@ def resolve_report_dir(text: str | Path | None) -> Path | None:
 
 
 def resolve_backend(
-    text: str | None, device: torch.device, *, family: str = "harness", race_delays: str = ""
-) -> str:
-    """The backend spelling to run: the name given (else the family's default), resolved once
-    up front, with ``race_delays`` folded in (CUDA only), then probed on ``device``
+    text: str | None, device: torch.device, *, models: str = "harness", race_delays: str = ""
+) -> Backend:
+    """The backend to run, as the record the run passes on (``backends.Backend``): the name
+    given (else ``models``' default), resolved once up front, with ``race_delays`` folded in
+    (CUDA only), then probed on ``device``
     (``backends.probe_backend``: the factory is called once and must return an ``Offloader``;
     not for a backend unavailable on ``device``, whose reason the run reports). It does not
     initialise CUDA in this process either: on CUDA it runs in a spawned child unless this
@@ -336,7 +370,7 @@ def resolve_backend(
     from harness.offload import backends
     from harness.vocab.impls import default_backend
 
-    backend = text or default_backend(family)
+    backend = text or default_backend(models)
     race_delays = "" if race_delays == "none" else race_delays
     try:
         backends.resolve_backend(backend)
@@ -359,25 +393,26 @@ def resolve_backend(
     return _probed(spelled, device)
 
 
-def _probed(backend: str, device: torch.device) -> str:
-    """``backend`` once ``backends.probe_backend`` accepted it on ``device``."""
+def _probed(backend: str, device: torch.device) -> Backend:
+    """``backend``'s record once ``backends.probe_backend`` accepted it on ``device``."""
     from harness.offload import backends
 
     try:
         backends.probe_backend(backend, device)
+        return backends.backend_record(backend)
     except ValueError as exc:
         raise SettingError(f"--backend: {exc}") from None
-    return backend
 
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     """What one session's options resolved to (the same for the CLI and pytest)."""
 
-    backend: str
-    """Backend spelling, race delays included (``harness.offload.backends``)."""
+    backend: Backend
+    """The backend resolved once (``harness.offload.backends.Backend``; its ``spelling``
+    includes the race delays)."""
     device: torch.device
-    family: str
+    models: str
     """Whose models the rows build: ``harness``, ``mcore`` or ``all`` (``Case.impl``)."""
     matrix: str
     model_size: str
@@ -398,27 +433,28 @@ def resolve(values: Mapping[str, Any], *, impl: str | None = None) -> Settings:
     defaults) and return them resolved. ``impl`` is the model implementation of a single case
     being run, whose default backend applies when none is named (megatron-core's models run
     megatron-core's offloader)."""
-    unknown = set(values) - set(OPTIONS)
+    unknown = set(values) - set(OPTIONS) - set(DEPRECATED)
     if unknown:
         raise SettingError(f"unknown settings: {', '.join(sorted(unknown))}")
+    values, named = _undeprecated(values)
 
     def get(name: str) -> Any:
         value = values.get(name)
         return OPTIONS[name].default if value is None else value
 
-    family = _choice("family", get("family"), FAMILY_CHOICES)
+    models = _choice(named.get("models", "models"), get("models"), MODELS_CHOICES)
     device = resolve_device(get("device"))
-    backend_family = family
+    backend_models = models
     if impl is not None:
         from harness.vocab.impls import IMPLS
 
-        backend_family = IMPLS[impl].family
+        backend_models = IMPLS[impl].models
     return Settings(
         backend=resolve_backend(
-            get("backend"), device, family=backend_family, race_delays=get("race_delays") or ""
+            get("backend"), device, models=backend_models, race_delays=get("race_delays") or ""
         ),
         device=device,
-        family=family,
+        models=models,
         matrix=_choice("matrix", get("matrix"), MATRIX_CHOICES),
         model_size=resolve_model_size(get("model_size"), device),
         report_dir=resolve_report_dir(get("report_dir")),
@@ -428,6 +464,29 @@ def resolve(values: Mapping[str, Any], *, impl: str | None = None) -> Settings:
         jobs=None if values.get("jobs") in (None, "") else _positive_int("jobs", values["jobs"]),
         case_timeout=resolve_case_timeout(values.get("case_timeout"), device),
     )
+
+
+def _undeprecated(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``values`` with each deprecated flag given moved to its new name (its notice printed on
+    stderr, once per flag), and new name -> the old flag's name where one was used, so an
+    error names the flag that was typed. Both given with different values is an error."""
+    out = {name: value for name, value in values.items() if name not in DEPRECATED}
+    named: dict[str, str] = {}
+    for old, new in DEPRECATED.items():
+        value = values.get(old)
+        if value is None:
+            continue
+        given = out.get(new)
+        if given not in (None, OPTIONS[new].default) and given != value:
+            raise SettingError(
+                f"{OPTIONS[new].flag} {given} and --{old.replace('_', '-')} {value}: "
+                f"--{old.replace('_', '-')} is a deprecated alias of {OPTIONS[new].flag}; "
+                "give one"
+            )
+        print(deprecation_notice(old), file=sys.stderr, flush=True)
+        out[new] = value
+        named[new] = old.replace("_", "-")
+    return out, named
 
 
 def checked(fn: Callable[[], Any], error: Callable[[str], BaseException]) -> Any:

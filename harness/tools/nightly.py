@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     except settings.SettingError as exc:
         print(f"offload-harness nightly: error: {exc}", file=sys.stderr)
         return 2
-    args.backend, args.jobs = resolved.backend, resolved.jobs
+    args.backend, args.jobs = resolved.backend.spelling, resolved.jobs
     gpus = torch.cuda.device_count()
     ranks = max(gpus, 1)
     name = folder_name()

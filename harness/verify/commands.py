@@ -15,17 +15,16 @@ import torch
 
 from harness.cases import MCORE_FAMILY, Case, default_matrix, full_matrix
 from harness.execute.environment import Environment
+from harness.offload.backends import Backend
+from harness.overrides import FIELDS, spelled
 from harness.vocab.impls import IMPLS
 from harness.vocab.spec import PRESETS
-
-OVERRIDABLE = ("steps", "microbatches", "schedule", "precision", "max_inflight")
-"""The case fields the ``run`` / ``repro`` flags override on a ``--case`` row."""
 
 
 def repro_command(
     case: Case,
     *,
-    backend: str,
+    backend: Backend | str,
     device: torch.device | str,
     model_size: str,
     seed: int = 1234,
@@ -36,31 +35,29 @@ def repro_command(
 ) -> list[str]:
     """The fully explicit ``offload-harness repro`` command line of ``case``: ``--case
     from_case`` (a table row id) or, for a custom case, ``--preset``, ``--pattern`` and
-    ``--offload``; then every overridable field (steps, microbatches, schedule, precision,
-    max-inflight), the seed, the backend, the device and the model size, so that it reruns
-    exactly this case whatever the defaults. One builder for ``command.txt`` and the
-    ``reproduce:`` hint of a failed check."""
+    ``--offload``; then every overridable field (``harness.overrides``), the seed, the
+    backend, the device and the model size, so that it reruns exactly this case whatever the
+    defaults. One builder for ``command.txt`` and the ``reproduce:`` hint of a failed
+    check."""
     argv = ["offload-harness", "repro"]
     if from_case is not None:
         argv += ["--case", from_case]
     else:
         assert preset is not None and pattern is not None, "a custom case names its preset"
         argv += ["--preset", preset, "--pattern", pattern, "--offload", ",".join(case.offload)]
-        argv += ["--family", IMPLS[case.impl].family]  # whose models a custom case builds
-    inflight = case.max_inflight
-    argv += ["--steps", str(case.steps), "--microbatches", str(case.microbatches)]
-    argv += ["--schedule", case.schedule, "--precision", case.precision]
-    argv += ["--max-inflight", "none" if inflight is None else str(inflight)]
-    argv += ["--seed", str(seed), "--backend", backend]
+        argv += ["--models", IMPLS[case.impl].models]  # whose models a custom case builds
+    argv += spelled(case)  # every override, in the table's order (harness.overrides)
+    argv += ["--seed", str(seed), "--backend", str(backend)]  # its spelling
     argv += ["--device", str(device), "--model-size", model_size]
     return [*argv, "--bisect"] if bisect else argv
 
 
 def table_row(case: Case) -> Case | None:
-    """The case-table row ``case`` is, or was made from by overriding ``OVERRIDABLE`` fields
-    (of several, the one it differs from in the fewest); None for a custom case."""
+    """The case-table row ``case`` is, or was made from by overriding the fields the flags
+    override (``harness.overrides.FIELDS``; of several, the one it differs from in the
+    fewest); None for a custom case."""
     rows = [*default_matrix(), *full_matrix(), *MCORE_FAMILY]
-    fixed = [f.name for f in dataclasses.fields(Case) if f.name not in (*OVERRIDABLE, "marks")]
+    fixed = [f.name for f in dataclasses.fields(Case) if f.name not in (*FIELDS, "marks")]
 
     def key(c: Case) -> tuple[Any, ...]:
         return tuple(getattr(c, name) for name in fixed)
@@ -68,9 +65,7 @@ def table_row(case: Case) -> Case | None:
     matches = [row for row in rows if key(row) == key(case)]
     if not matches:
         return None
-    return min(
-        matches, key=lambda row: sum(getattr(row, f) != getattr(case, f) for f in OVERRIDABLE)
-    )
+    return min(matches, key=lambda row: sum(getattr(row, f) != getattr(case, f) for f in FIELDS))
 
 
 def case_command(case: Case, env: Environment, *, bisect: bool = False) -> list[str]:
@@ -82,7 +77,7 @@ def case_command(case: Case, env: Environment, *, bisect: bool = False) -> list[
     model = case.model_spec(env.model_size)
     return repro_command(
         case,
-        backend=env.backend,
+        backend=env.record,
         device=env.device,
         model_size=env.model_size,
         seed=seed,

@@ -25,8 +25,8 @@ class ModelImpl:
     """One model implementation and what it can run."""
 
     name: str
-    family: str
-    """``--family`` value that selects its rows: ``harness`` (ours) or ``mcore``."""
+    models: str
+    """``--models`` value that selects its rows: ``harness`` (ours) or ``mcore``."""
     description: str
     trainer: str
     """``module:function`` of its ``harness.models.runs.Trainer``, the function training one run
@@ -91,7 +91,7 @@ _MCORE_SYNC = (
 _IMPLS = (
     ModelImpl(
         name="harness",
-        family="harness",
+        models="harness",
         description="ours: harness.models in plain PyTorch, trained by harness.models.train",
         trainer="harness.models.train:train_harness",
         schedules=("sequential", "gpipe", "1f1b", "interleaved"),
@@ -100,7 +100,7 @@ _IMPLS = (
     ),
     ModelImpl(
         name="mcore",
-        family="mcore",
+        models="mcore",
         description="megatron-core's HybridModel with TransformerEngine layers, its one-stage "
         "schedule, DDP and distributed optimizer or Megatron-FSDP",
         trainer="harness.models.mcore:train",
@@ -115,7 +115,7 @@ _IMPLS = (
     ),
     ModelImpl(
         name="mcore-gpt",
-        family="mcore",
+        models="mcore",
         description="megatron-core's GPTModel with TransformerEngine layers (each layer one "
         "attention and one MLP/MoE symbol of the pattern), trained as mcore",
         trainer="harness.models.mcore:train",
@@ -133,20 +133,20 @@ IMPLS: dict[str, ModelImpl] = {impl.name: impl for impl in _IMPLS}
 """Every model implementation by name."""
 
 
-def family_impl(family: str) -> ModelImpl:
-    """The first implementation of a ``--family`` (custom cases of that family build it)."""
+def models_impl(models: str) -> ModelImpl:
+    """The first implementation of a ``--models`` value (custom cases of it build it)."""
     for impl in _IMPLS:
-        if impl.family == family:
+        if impl.models == models:
             return impl
-    raise ValueError(f"no model implementation of family {family!r}")
+    raise ValueError(f"no model implementation of models {models!r}")
 
 
-def default_backend(family: str) -> str:
-    """The backend when none is named: the family's first implementation's (``reference`` for
-    ours and for ``all``)."""
-    if family not in {impl.family for impl in _IMPLS}:
+def default_backend(models: str) -> str:
+    """The backend when none is named: the first implementation's of ``models`` (``reference``
+    for ours and for ``all``)."""
+    if models not in {impl.models for impl in _IMPLS}:
         return "reference"
-    return family_impl(family).default_backend
+    return models_impl(models).default_backend
 
 
 def impl_unavailable(impls: set[str] | list[str], device: Any) -> str | None:

@@ -274,7 +274,7 @@ def test_options_resolved(settings):
     assert settings.matrix == "full"
     assert settings.model_size == "tiny"
     assert settings.device.type == "cpu"
-    assert settings.backend == "hooks"
+    assert settings.backend.spelling == "hooks"
 """
 
 

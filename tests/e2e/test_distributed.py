@@ -106,7 +106,7 @@ def _in_a_child(code: str) -> subprocess.CompletedProcess[str]:
 def test_single_rank_group_needs_no_port_and_is_destroyed() -> None:
     # A child process of its own: this process's group, if any, does not reach it.
     code = (
-        "import torch; from harness import distributed as d\n"
+        "import torch; from harness.util import distributed as d\n"
         "d.ensure_process_group(torch.device('cpu'))\n"
         "assert d.initialized() and d.world_size() == 1\n"
         "d.shutdown(); assert not d.initialized(); print('ok')\n"
@@ -142,7 +142,7 @@ def test_nccl_lets_go_of_a_finished_collective_once_released() -> None:
     all-gather whose tensors the caller dropped, ``collectives_released`` leaves nothing of it
     allocated (in a child process: NCCL's group stays out of this one)."""
     code = (
-        "import torch; from harness import distributed as d\n"
+        "import torch; from harness.util import distributed as d\n"
         "dev = torch.device('cuda', 0); d.ensure_process_group(dev)\n"
         "torch.cuda.synchronize(); torch.cuda.empty_cache()\n"
         "floor = torch.cuda.memory_allocated()\n"

@@ -268,13 +268,13 @@ def test_an_unavailable_backend_is_not_probed(fault_modules: Path) -> None:
     assert backends.backend_unavailable(spec, CPU) == (
         "faultmod_factories.unavailable never runs here"
     )
-    assert settings.resolve({"backend": spec, "device": "cpu"}).backend == spec
+    assert settings.resolve({"backend": spec, "device": "cpu"}).backend.spelling == spec
 
 
 def test_every_named_backend_passes_the_probe_on_cpu() -> None:
     for name in backends.backend_names():
         backends.probe_backend(name, CPU)  # mcore*: unavailable on CPU, so not called
-        assert settings.resolve({"backend": name, "device": "cpu"}).backend == name
+        assert settings.resolve({"backend": name, "device": "cpu"}).backend.spelling == name
     assert backends.backend_unavailable("mcore", CPU) is not None
 
 

@@ -388,7 +388,7 @@ def test_reproduce_hint_is_fully_explicit() -> None:
     assert flags["--steps"] == "2" and flags["--max-inflight"] == "none"
     assert "--steps 2" in repro_hint(case, ENV)
     assert spec.case == case, "the command reruns exactly the case that failed"
-    assert (spec.backend, str(spec.device), spec.model_size) == (
+    assert (spec.backend.spelling, str(spec.device), spec.model_size) == (
         "broken.corrupt_reload",
         "cpu",
         "tiny",

@@ -1,8 +1,8 @@
 """The ``mcore`` model family's plumbing that runs without megatron-core: the case table's
-``impl`` column, ``--family`` selection and collection skips, and the bridge that lets a harness
+``impl`` column, ``--models`` selection and collection skips, and the bridge that lets a harness
 offloader stand in for megatron-core's offloading interface (driven here the way megatron-core's
 layers drive it). The models themselves need CUDA, TransformerEngine and megatron-core: the GPU
-runs of ``pytest cases/ --family mcore`` exercise them."""
+runs of ``pytest cases/ --models mcore`` exercise them."""
 
 from __future__ import annotations
 
@@ -117,13 +117,13 @@ def test_transformer_config_counts_gpt_layers_as_pairs(
     assert fields["offload_modules"] == ["core_attn"]
 
 
-def test_family_selects_rows() -> None:
+def test_models_selects_rows() -> None:
     ours = matrix("default")
     assert all(row.impl == "harness" for row in ours)
     assert matrix("default", "mcore") == list(MCORE_FAMILY)
     assert matrix("default", "all") == ours + list(MCORE_FAMILY)
     assert MCORE_FAMILY[: len(MCORE_ROWS)] == MCORE_ROWS
-    with pytest.raises(ValueError, match="unknown family 'gpt'"):
+    with pytest.raises(ValueError, match="unknown models 'gpt'"):
         matrix("default", "gpt")
 
 
@@ -157,11 +157,11 @@ def test_cpu_has_no_megatron_models() -> None:
     assert "needs a CUDA device" in str(unavailable_reason("cpu"))
 
 
-def test_family_mcore_skips_at_collection_on_cpu() -> None:
+def test_models_mcore_skips_at_collection_on_cpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the CPU skip reason")
     out = warm.run(
-        [*PYTEST, "cases/test_equivalence.py", "--family", "mcore", "-rs"], cwd=ROOT, timeout=300
+        [*PYTEST, "cases/test_equivalence.py", "--models", "mcore", "-rs"], cwd=ROOT, timeout=300
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"SKIPPED [{2 * len(MCORE_FAMILY)}]" in out.stdout
@@ -169,10 +169,10 @@ def test_family_mcore_skips_at_collection_on_cpu() -> None:
     assert "passed" not in out.stdout.splitlines()[-1]
 
 
-def test_bad_family_is_a_usage_error() -> None:
-    out = warm.run([*PYTEST, "cases/", "--family", "gpt"], cwd=ROOT, timeout=300)
+def test_bad_models_is_a_usage_error() -> None:
+    out = warm.run([*PYTEST, "cases/", "--models", "gpt"], cwd=ROOT, timeout=300)
     assert out.returncode == 4
-    assert "--family must be one of harness, mcore, all; got 'gpt'" in out.stderr
+    assert "--models must be one of harness, mcore, all; got 'gpt'" in out.stderr
 
 
 def _layer_norm_like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -239,8 +239,8 @@ def test_memory_slack_needs_a_reason() -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["run", "--family", "mcore", "--device", "cpu"],
-        ["run", "--family", "mcore", "--backend", "reference", "--device", "cpu"],
+        ["run", "--models", "mcore", "--device", "cpu"],
+        ["run", "--models", "mcore", "--backend", "reference", "--device", "cpu"],
         ["repro", "--case", MCORE_ROWS[0].name, "--device", "cpu"],
     ],
     ids=["run", "run-bridge", "repro"],
@@ -260,7 +260,7 @@ def test_cli_refuses_mcore_rows_without_cuda_in_one_line(
 def test_cli_lists_the_mcore_rows(capsys: pytest.CaptureFixture[str]) -> None:
     from harness.cli import main
 
-    assert main(["cases", "--family", "mcore"]) == 0
+    assert main(["cases", "--models", "mcore"]) == 0
     assert capsys.readouterr().out.split() == [row.name for row in MCORE_FAMILY]
 
 

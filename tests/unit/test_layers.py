@@ -67,6 +67,7 @@ FOLDERS: dict[str, str] = {
 TOP_LEVEL: dict[str, str] = {
     "harness": "vocabulary",
     "harness.cases": "models",  # the case table: data over the vocabulary and offload config
+    "harness.overrides": "models",  # the case fields a run's flags override, declared once
     "harness.__main__": "top",
     "harness.entry": "top",
     "harness.cli": "top",

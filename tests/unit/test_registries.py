@@ -86,7 +86,7 @@ def fake_trainer(spec: ModelSpec, run: RunSpec, offloader: Any, device: Any, **k
 def test_a_model_implementation_is_one_registry_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     new = impls.ModelImpl(
         name="theirs",
-        family="harness",
+        models="harness",
         description="a test implementation",
         trainer=f"{__name__}:fake_trainer",
         schedules=("gpipe",),

@@ -28,7 +28,7 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 def test_cli_and_pytest_options_come_from_one_table(pytestconfig: pytest.Config) -> None:
     run = _actions(_subparser("run"))
     shared = [name for name in PYTEST_OPTIONS if name in run]
-    assert set(shared) >= {"backend", "device", "model_size", "report_dir", "matrix", "family"}
+    assert set(shared) >= {"backend", "device", "model_size", "report_dir", "matrix", "models"}
     for name in shared:
         option = settings.OPTIONS[name]
         assert run[name].option_strings == [option.flag]
@@ -49,7 +49,7 @@ def test_cli_and_pytest_options_come_from_one_table(pytestconfig: pytest.Config)
     [
         ("--device", "gpu", "--device must be auto, cpu, cuda or cuda:N; got 'gpu'"),
         ("--model-size", "huge", "--model-size must be one of auto, tiny, small; got 'huge'"),
-        ("--family", "theirs", "--family must be one of harness, mcore, all; got 'theirs'"),
+        ("--models", "theirs", "--models must be one of harness, mcore, all; got 'theirs'"),
         ("--matrix", "nightly", "--matrix must be one of default, full; got 'nightly'"),
         ("--backend", "nope", "--backend: unknown backend 'nope'"),
         ("--nvte-cpu-offload-v1", "2", "--nvte-cpu-offload-v1 must be 0 or 1; it is '2'"),
