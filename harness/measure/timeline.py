@@ -63,14 +63,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.measure.transfers import (
-    _LAUNCH_CATS,
-    _Event,
-    _events,
-    _memcpy_bytes,
-    _memcpy_direction,
-    load_trace,
+from harness.measure.traceevents import (
+    LAUNCH_CATS,
+    Event,
+    memcpy_bytes,
+    memcpy_direction,
+    read_events,
 )
+from harness.measure.transfers import load_trace
 
 DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 RANGE_CATS = frozenset({"user_annotation"})
@@ -170,16 +170,16 @@ def analyse(
     """The device timeline of a chrome trace (a ``.json``/``.json.gz`` path or a loaded dict),
     with the busy time of each of ``phases`` (``phase_busy``); None when the trace has no device
     events (a CPU-only profile)."""
-    events = list(_events(load_trace(trace)))
+    events = list(read_events(load_trace(trace)))
     device = [e for e in events if e.cat in DEVICE_CATS]
     if not device:
         return None
-    by_stream: dict[tuple[Any, Any], list[_Event]] = defaultdict(list)
+    by_stream: dict[tuple[Any, Any], list[Event]] = defaultdict(list)
     for event in device:
         by_stream[event.thread].append(event)
     compute = max(by_stream, key=lambda s: _kernel_ns(by_stream[s]))
     stream = sorted(by_stream[compute], key=lambda e: e.start)
-    launched = [e for e in events if e.cat in _LAUNCH_CATS and "correlation" in e.args]
+    launched = [e for e in events if e.cat in LAUNCH_CATS and "correlation" in e.args]
     launches = {e.args["correlation"]: e for e in launched}
     launch_bound, waiting = _gaps(stream, launches, round(min_gap_us * 1e3))
     other_work = _BusyTime(e for e in stream if _copy_kind(e) is None)
@@ -214,9 +214,9 @@ def phase_busy(
 
 def _phase_busy(
     prefixes: Sequence[str],
-    events: Sequence[_Event],
-    launched: Sequence[_Event],
-    stream: Sequence[_Event],
+    events: Sequence[Event],
+    launched: Sequence[Event],
+    stream: Sequence[Event],
 ) -> dict[str, float]:
     """``phase_busy`` from a parsed trace: all its ``events``, the launch calls among them and
     the compute stream's events."""
@@ -225,7 +225,7 @@ def _phase_busy(
     starts = [e.start for e in launched]
     out: dict[str, float] = {}
     for prefix in prefixes:
-        work: list[_Event] = []
+        work: list[Event] = []
         for span in (e for e in events if e.cat in RANGE_CATS and e.name.startswith(prefix)):
             first = bisect.bisect_left(starts, span.start)
             last = bisect.bisect_right(starts, span.end)
@@ -241,19 +241,19 @@ def _seconds(ns: int) -> float:
     return ns / 1e9
 
 
-def _kernel_ns(events: Iterable[_Event]) -> int:
+def _kernel_ns(events: Iterable[Event]) -> int:
     return sum(e.end - e.start for e in events if e.cat == "kernel")
 
 
-def _copy_kind(event: _Event) -> str | None:
+def _copy_kind(event: Event) -> str | None:
     if event.cat != "gpu_memcpy":
         return None
-    direction = _memcpy_direction(event.name)
+    direction = memcpy_direction(event.name)
     return None if direction is None else COPY_KINDS[direction]
 
 
 def _gaps(
-    stream: Sequence[_Event], launches: Mapping[Any, _Event], min_gap_ns: int
+    stream: Sequence[Event], launches: Mapping[Any, Event], min_gap_ns: int
 ) -> tuple[list[int], list[int]]:
     """The idle gaps (ns) of ``stream`` (sorted by start) longer than ``min_gap_ns``: launch-bound
     ones and waiting ones."""
@@ -274,7 +274,7 @@ class _BusyTime:
     """The union of some events' intervals, answering "busy time between a and b" by binary
     search: merged disjoint intervals in time order and the busy time before each."""
 
-    def __init__(self, events: Iterable[_Event]) -> None:
+    def __init__(self, events: Iterable[Event]) -> None:
         self.starts: list[int] = []
         self.ends: list[int] = []
         for event in sorted(events, key=lambda e: e.start):
@@ -302,12 +302,12 @@ class _BusyTime:
         return self.until(end) - self.until(start)
 
 
-def _copies(kind: str, device: Iterable[_Event], busy: _BusyTime) -> Copies:
+def _copies(kind: str, device: Iterable[Event], busy: _BusyTime) -> Copies:
     found = [e for e in device if _copy_kind(e) == kind]
     return Copies(
         kind=kind,
         count=len(found),
-        bytes=sum(_memcpy_bytes(e) for e in found),
+        bytes=sum(memcpy_bytes(e) for e in found),
         seconds=_seconds(sum(e.end - e.start for e in found)),
         hidden_s=_seconds(sum(busy.between(e.start, e.end) for e in found)),
     )
@@ -316,13 +316,13 @@ def _copies(kind: str, device: Iterable[_Event], busy: _BusyTime) -> Copies:
 def host_self_times(trace: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, float]:
     """Seconds of host self time per event name (up to its first ``|``) in a chrome trace: each
     host event's duration less what is nested in it on its thread (module docstring)."""
-    by_thread: dict[tuple[Any, Any], list[_Event]] = defaultdict(list)
-    for event in _events(load_trace(trace)):
+    by_thread: dict[tuple[Any, Any], list[Event]] = defaultdict(list)
+    for event in read_events(load_trace(trace)):
         if event.cat in HOST_CATS:
             by_thread[event.thread].append(event)
     self_ns: dict[str, int] = defaultdict(int)
 
-    def close(event: _Event, nested: int) -> None:
+    def close(event: Event, nested: int) -> None:
         self_ns[event.name.split("|", 1)[0]] += max(0, event.end - event.start - nested)
 
     for events in by_thread.values():

@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, as_completed
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -163,22 +164,107 @@ def run_cases(
     """Run every case (see the module docstring); ``on_start(workers)`` once the first pool's
     cases are queued, ``on_record(index, record, seconds)`` as each ends. Returns ``complete``
     or ``timed-out``; Ctrl-C propagates after the workers are gone."""
+    run = _Run(
+        cases=cases,
+        env=env,
+        timeout=timeout,
+        folder=folder,
+        on_record=on_record,
+        update_golden=update_golden,
+    )
+    try:
+        while run.pending:
+            bundles = _bundles(cases, env, run.pending)
+            workers = min(jobs, len(bundles))
+            pool = worker_pool(workers, env.device)
+            futures = run.submit(pool, bundles)
+            if on_start is not None:
+                on_start(workers)
+                on_start = None
+            exitcodes = run.collect(pool, futures)
+            kill_pool(pool)  # every call reported; what a backend left running ends here
+            if exitcodes is not None:
+                run.settle_dead_pool(exitcodes)
+    finally:
+        run.remove_dumps()
+    return run.status
+
+
+@dataclass(kw_only=True)
+class _Run:
+    """One ``run_cases`` call across its pools: the cases still pending, each one's dump file
+    and start, the deaths seen so far, and how the run ends."""
+
+    cases: list[Case]
+    env: Environment
+    timeout: float
+    folder: Path | None
+    on_record: Callable[[int, dict[str, Any], float], None]
+    update_golden: bool
     # The workers' dumps go to a scratch folder, never into the report folder: the run and its
     # timeouts work on whatever happens to that folder (disk full, removed); a timed-out
     # case's dump is copied into the report's stacks/ (``_keep_dump``).
-    scratch = Path(tempfile.mkdtemp("-stacks"))
-    dumps = {i: scratch / f"{slug(case.name)}.txt" for i, case in enumerate(cases)}
-    pending = list(range(len(cases)))
-    deaths: Counter[int] = Counter()
-    exitcodes: dict[int, int | None] = {}
-    timed_out: list[Path] = []
-    status = "complete"
-    began: dict[int, float] = {}
+    scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp("-stacks")))
+    dumps: dict[int, Path] = field(init=False)
+    pending: list[int] = field(init=False)
+    deaths: Counter[int] = field(default_factory=Counter)
+    timed_out: list[Path] = field(default_factory=list)
+    began: dict[int, float] = field(default_factory=dict)
+    status: str = "complete"
 
-    def finish(index: int, record: dict[str, Any], seconds: float) -> None:
+    def __post_init__(self) -> None:
+        self.dumps = {i: self.scratch / f"{slug(c.name)}.txt" for i, c in enumerate(self.cases)}
+        self.pending = list(range(len(self.cases)))
+
+    def submit(self, pool: Any, bundles: list[list[int]]) -> dict[Future[Any], list[int]]:
+        """Queue each bundle as one ``run_bundle`` call; its cases' clocks start now (on their
+        first pool only: a case run again keeps its first start)."""
+        futures: dict[Future[Any], list[int]] = {}
+        for bundle in bundles:
+            for index in bundle:
+                self.began.setdefault(index, time.perf_counter())
+            call = (
+                [self.cases[i] for i in bundle],
+                self.env,
+                self.update_golden,
+                self.timeout,
+                [str(self.dumps[i]) for i in bundle],
+            )
+            futures[pool.submit(run_bundle, *call)] = bundle
+        return futures
+
+    def collect(
+        self, pool: Any, futures: dict[Future[Any], list[int]]
+    ) -> dict[int, int | None] | None:
+        """Finish each bundle's cases as its call returns; None when every call reported, the
+        exit codes of the pool's workers when the pool broke (a worker died). Any other
+        exception (Ctrl-C) kills the pool and propagates."""
+        try:
+            for future in as_completed(futures):
+                bundle = futures[future]
+                try:
+                    results = future.result()
+                except BrokenProcessPool:
+                    return _exitcodes(pool)
+                except Exception as exc:  # e.g. a result that cannot be pickled back
+                    problem = f"error: {type(exc).__name__}: {exc}"
+                    results = [
+                        (error_record(self.cases[i], problem), time.perf_counter() - self.began[i])
+                        for i in bundle
+                    ]
+                for index, (record, seconds) in zip(bundle, results, strict=True):
+                    self.finish(index, record, seconds)
+        except BaseException:
+            kill_pool(pool)
+            raise
+        return None
+
+    def finish(self, index: int, record: dict[str, Any], seconds: float) -> None:
+        """A case's record is final: its traceback goes to ``errors/`` (named in its problem)
+        and the caller gets the record."""
         text = record.pop("traceback", None)
-        if text and folder is not None:
-            path = folder / "errors" / f"{slug(cases[index].name)}.txt"
+        if text and self.folder is not None:
+            path = self.folder / "errors" / f"{slug(self.cases[index].name)}.txt"
             try:  # the report folder may be gone or full: the verdict stands without it
                 path.parent.mkdir(exist_ok=True)
                 path.write_text(text, encoding="utf-8")
@@ -186,84 +272,44 @@ def run_cases(
                 pass
             else:
                 record["problems"] = [f"{record['problems'][0]} (traceback: {path})"]
-        pending.remove(index)
-        on_record(index, record, seconds)
+        self.pending.remove(index)
+        self.on_record(index, record, seconds)
 
-    try:
-        while pending:
-            bundles = _bundles(cases, env, pending)
-            workers = min(jobs, len(bundles))
-            pool = worker_pool(workers, env.device)
-            futures: dict[Future[Any], list[int]] = {}
-            for bundle in bundles:
-                for index in bundle:
-                    began.setdefault(index, time.perf_counter())
-                call = (
-                    [cases[i] for i in bundle],
-                    env,
-                    update_golden,
-                    timeout,
-                    [str(dumps[i]) for i in bundle],
+    def settle_dead_pool(self, exitcodes: dict[int, int | None]) -> None:
+        """After a pool broke: a pending case whose dump holds a stack dump timed out; one that
+        was running when a worker died runs again in the next pool, or fails on its second
+        death; one that had not started runs in the next pool."""
+        for index in list(self.pending):
+            path = self.dumps[index]
+            text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+            seconds = time.perf_counter() - self.began[index]
+            if _DUMP_MARK in text:
+                self.status = "timed-out"
+                path = _keep_dump(path, self.folder)
+                self.timed_out.append(path)
+                problem = (
+                    f"timed out: the case ran past --case-timeout {self.timeout:g} s; every "
+                    f"thread's stack: {path}"
                 )
-                futures[pool.submit(run_bundle, *call)] = bundle
-            if on_start is not None:
-                on_start(workers)
-                on_start = None
-            broken = False
-            try:
-                for future in as_completed(futures):
-                    bundle = futures[future]
-                    try:
-                        results = future.result()
-                    except BrokenProcessPool:
-                        broken = True
-                        exitcodes = _exitcodes(pool)
-                        break
-                    except Exception as exc:  # e.g. a result that cannot be pickled back
-                        problem = f"error: {type(exc).__name__}: {exc}"
-                        results = [
-                            (error_record(cases[i], problem), time.perf_counter() - began[i])
-                            for i in bundle
-                        ]
-                    for index, (record, seconds) in zip(bundle, results, strict=True):
-                        finish(index, record, seconds)
-            except BaseException:
-                kill_pool(pool)
-                raise
-            if not broken:
-                kill_pool(pool)  # every call reported; what a backend left running ends here
-                continue
-            kill_pool(pool)
-            for index in list(pending):
-                path = dumps[index]
-                text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
-                seconds = time.perf_counter() - began[index]
-                if _DUMP_MARK in text:
-                    status = "timed-out"
-                    path = _keep_dump(path, folder)
-                    timed_out.append(path)
+                self.finish(index, error_record(self.cases[index], problem), seconds)
+            elif text:  # it was running when a worker died
+                self.deaths[index] += 1
+                path.unlink()
+                if self.deaths[index] > 1:
                     problem = (
-                        f"timed out: the case ran past --case-timeout {timeout:g} s; every "
-                        f"thread's stack: {path}"
+                        "error: worker process died twice while running the case: "
+                        f"{_death(text, exitcodes)}"
                     )
-                    finish(index, error_record(cases[index], problem), seconds)
-                elif text:  # it was running when a worker died
-                    deaths[index] += 1
-                    path.unlink()
-                    if deaths[index] > 1:
-                        problem = (
-                            "error: worker process died twice while running the case: "
-                            f"{_death(text, exitcodes)}"
-                        )
-                        finish(index, error_record(cases[index], problem), seconds)
-    finally:  # a stopped run's dumps are of nothing: only a timed-out case's may stay
-        kept = set(timed_out)
-        for path in dumps.values():
+                    self.finish(index, error_record(self.cases[index], problem), seconds)
+
+    def remove_dumps(self) -> None:
+        """A stopped run's dumps are of nothing: only a timed-out case's may stay."""
+        kept = set(self.timed_out)
+        for path in self.dumps.values():
             if path not in kept:
                 path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
-            scratch.rmdir()  # only when no timed-out case's dump stayed there
-    return status
+            self.scratch.rmdir()  # only when no timed-out case's dump stayed there
 
 
 def _exitcodes(pool: Any) -> dict[int, int | None]:

@@ -1,4 +1,4 @@
-"""Detection power: run every broken offloader (``harness/offload/broken.py``) against the
+"""Detection power: run every broken offloader (``harness/offload/broken/``) against the
 default case matrix and report which case catches it; or run the correct offloader N times and
 count false alarms.
 
