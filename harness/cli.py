@@ -59,8 +59,9 @@ from harness.run.session import run_cases
 from harness.tools import TOOLS
 from harness.util.bytecode import missing_bytecode
 from harness.verify.judge import judge
+from harness.vocab.fits import check_fits
 from harness.vocab.impls import IMPLS, impl_unavailable, models_impl
-from harness.vocab.spec import PRESETS, check_fits, parse_pattern, preset
+from harness.vocab.spec import PRESETS, parse_pattern, preset
 
 
 class UsageError(Exception):

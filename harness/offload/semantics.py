@@ -12,9 +12,12 @@ of a run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from harness.offload.config import OffloadConfig
-from harness.offload.recorder import SavedInfo
+
+if TYPE_CHECKING:  # a type only: the rules sit below the recorder that fills it
+    from harness.offload.recorder import SavedInfo
 
 GroupKey = tuple[int, int, str]  # (microbatch, layer, name)
 

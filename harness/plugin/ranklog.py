@@ -1,5 +1,6 @@
-"""Per-rank consoles under torchrun: each rank's pytest terminal output goes to
-``rank<R>.log`` in the session's report folder, and rank 0's to the console too
+"""Per-rank consoles under torchrun: the rank layout of this process (``DistEnv``), and each
+rank's pytest terminal output, which goes to ``rank<R>.log`` in the session's report folder, and
+rank 0's to the console too
 (``harness.plugin.dist`` installs it)."""
 
 from __future__ import annotations
@@ -7,12 +8,28 @@ from __future__ import annotations
 import io
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 import pytest
+import torch
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    """Rank layout of this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
 
 
 class RankLog(io.TextIOBase):

@@ -10,15 +10,11 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import pytest
 
-from harness.plugin.ranklog import RankLog
+from harness.plugin.ranklog import DistEnv, RankLog
 from harness.util import distributed
-
-if TYPE_CHECKING:
-    from harness.plugin.dist import DistEnv
 
 
 @dataclass(kw_only=True)

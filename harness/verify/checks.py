@@ -14,7 +14,7 @@ import re
 import shlex
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,7 +22,6 @@ from harness.cases import Case
 from harness.execute.attribution import total
 from harness.execute.caserun import CaseRun, attribution_mismatches
 from harness.execute.environment import Environment
-from harness.execute.memory import MemoryResult
 from harness.execute.predict import predict
 from harness.measure.transfers import Counts
 from harness.models.train import schedule_order
@@ -30,6 +29,9 @@ from harness.offload.semantics import GroupKey
 from harness.util.compare import first_divergence, loss_table
 from harness.verify.commands import case_command
 from harness.vocab.spec import ModelSpec, pass_label
+
+if TYPE_CHECKING:  # a type only: the memory reading runs before the checks read it
+    from harness.execute.memory import MemoryResult
 
 
 def repro_hint(case: Case, env: Environment) -> str:

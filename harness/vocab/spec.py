@@ -16,7 +16,6 @@ group names live in one table each, ``harness.vocab.groups``.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -433,84 +432,6 @@ class RunSpec:
     def replace(self, **changes: object) -> RunSpec:
         """A copy with fields changed (validated again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
-
-
-TOKEN_BYTES = 8
-"""Bytes per token of the batches (int64, ``harness.models.hybrid.make_batches``)."""
-LOSS_BYTES = 4
-"""Bytes per loss of the runner's per-(step, microbatch) loss tensor (fp32)."""
-
-
-def run_bytes(model: ModelSpec, run: RunSpec) -> int:
-    """Bytes one training run allocates up front for its data, whatever the model: the token
-    batches ``make_batches`` builds (steps x microbatches x micro_batch_size x (seq_length + 1)
-    int64) plus the runner's loss tensor (steps x microbatches fp32). Python ints: no overflow."""
-    sequences = run.steps * run.microbatches * model.micro_batch_size
-    tokens = sequences * (model.seq_length + 1) * TOKEN_BYTES
-    return tokens + run.steps * run.microbatches * LOSS_BYTES
-
-
-def available_memory() -> int | None:
-    """Bytes this process can still allocate: ``MemAvailable`` of ``/proc/meminfo`` (else the
-    available physical pages of ``os.sysconf``), capped by a cgroup v2 memory limit where one
-    is set; None when unknown."""
-    available: int | None = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024  # kB
-                    break
-    except (OSError, ValueError, IndexError):
-        available = None
-    if available is None:
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (AttributeError, OSError, ValueError):
-            return None
-        if available <= 0:
-            return None
-    try:
-        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as limit_file:
-            limit = limit_file.read().strip()
-        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as current_file:
-            current = int(current_file.read().strip())
-        if limit != "max":
-            available = min(available, max(0, int(limit) - current))
-    except (OSError, ValueError):
-        pass
-    return available
-
-
-def check_fits(model: ModelSpec, run: RunSpec, available_bytes: int | None = None) -> None:
-    """Refuse a run whose up-front data (``run_bytes``: token batches and losses) exceeds the
-    memory available, with a one-line ``ValueError`` saying how much it needs and how much the
-    machine has; do nothing when that is unknown.
-
-    ``available_bytes`` defaults to ``available_memory()`` (host memory: the batches are built
-    on the host on every device; on CUDA a caller may also check the device's free memory,
-    ``torch.cuda.mem_get_info()[0]``, since the runner copies them there). The estimate leaves
-    out the model, its optimizer and its activations, so passing it does not promise the run
-    fits; failing it promises the run does not. Pure arithmetic: no torch, nothing allocated."""
-    need = run_bytes(model, run)
-    have = available_memory() if available_bytes is None else available_bytes
-    if have is None or need <= have:
-        return
-    raise ValueError(
-        f"--steps {run.steps} x --microbatches {run.microbatches} needs {_size(need)} of token "
-        f"batches ({run.steps * run.microbatches * model.micro_batch_size} sequences of "
-        f"{model.seq_length + 1} int64 tokens, and the losses); this machine has {_size(have)} "
-        "available"
-    )
-
-
-def _size(nbytes: int) -> str:
-    """Decimal units, as memory is sold: ``1056 GB``, ``3.4 GB``, ``120 MB``."""
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
-    return f"{nbytes} bytes"
 
 
 def _hybrid_tiny() -> ModelSpec:

@@ -27,15 +27,8 @@ from harness.models.hybrid import make_batches
 from harness.offload import backends
 from harness.run import settings
 from harness.util import globalstate
-from harness.vocab.spec import (
-    MAX_MICROBATCHES,
-    MAX_STEPS,
-    RunSpec,
-    available_memory,
-    check_fits,
-    preset,
-    run_bytes,
-)
+from harness.vocab.fits import available_memory, check_fits, run_bytes
+from harness.vocab.spec import MAX_MICROBATCHES, MAX_STEPS, RunSpec, preset
 
 pytest_plugins = ["pytester"]
 
@@ -482,10 +475,10 @@ def test_check_fits_reads_the_machine_and_skips_when_unknown(
     available = available_memory()
     if Path("/proc/meminfo").is_file():
         assert available is not None and available > 0
-    monkeypatch.setattr("harness.vocab.spec.available_memory", lambda: 1000)
+    monkeypatch.setattr("harness.vocab.fits.available_memory", lambda: 1000)
     with pytest.raises(ValueError, match=r"this machine has 1\.0 kB available"):
         check_fits(preset("hybrid-tiny"), RunSpec())
-    monkeypatch.setattr("harness.vocab.spec.available_memory", lambda: None)
+    monkeypatch.setattr("harness.vocab.fits.available_memory", lambda: None)
     check_fits(preset("hybrid-tiny"), RunSpec(steps=MAX_STEPS, microbatches=MAX_MICROBATCHES))
 
 
@@ -493,7 +486,7 @@ def test_cli_refuses_a_run_that_cannot_fit_before_training(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from harness import cli
-    from harness.vocab.spec import available_memory
+    from harness.vocab.fits import available_memory
 
     free = available_memory()
     if free is None or free > 500e9:
