@@ -8,7 +8,7 @@
 #
 #   install   pip-installs .mcore-main/*.whl (no index, no deps) into $MAIN_SITE
 #   features  python -m harness.models.mcore.features under each install
-#   0192      offload-harness run --family mcore $RUN_ARGS with the staged 0.19.2
+#   0192      offload-harness run --models mcore $RUN_ARGS with the staged 0.19.2
 #   main      the same with $MAIN_SITE first on PYTHONPATH (megatron-core from main; the
 #             staged TransformerEngine and other wheels still come from PYTHONPATH)
 #   table     scripts/mcore_versions table of the two newest summary.json files
@@ -63,7 +63,7 @@ for step in $STEPS; do
             ;;
         0192|main)
             # shellcheck disable=SC2086  # RUN_ARGS is a list of flags
-            under "$step" python3 -m harness run --family mcore $RUN_ARGS \
+            under "$step" python3 -m harness run --models mcore $RUN_ARGS \
                 --report-dir "$REPORTS/$step" > "$OUT/run-$step.log" 2>&1
             echo "== run $step rc=$? in $((SECONDS - start))s"
             tail -n "${TAIL:-40}" "$OUT/run-$step.log"

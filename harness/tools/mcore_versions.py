@@ -3,7 +3,7 @@
     scripts/mcore_versions run PREFIX_A PREFIX_B [-- ARGS...]
     scripts/mcore_versions table SUMMARY_A SUMMARY_B
 
-``run`` runs ``offload-harness run --family mcore ARGS`` (default ``--device cuda``) once with
+``run`` runs ``offload-harness run --models mcore ARGS`` (default ``--device cuda``) once with
 each prefix first on ``PYTHONPATH`` (a folder megatron-core was installed into with
 ``pip install --target``, e.g. by ``scripts/mcore_main --install``), each into its own report
 folder under ``--out`` (default ``reports/mcore-versions``), then prints the table of the two
@@ -93,13 +93,13 @@ def _load(path: str) -> dict[str, Any]:
 
 
 def _run_one(prefix: str, report_dir: Path, args: list[str]) -> Path:
-    """One ``offload-harness run --family mcore`` with ``prefix`` first on PYTHONPATH; the
+    """One ``offload-harness run --models mcore`` with ``prefix`` first on PYTHONPATH; the
     ``summary.json`` it wrote."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (prefix, str(Path.cwd()), env.get("PYTHONPATH", "")) if p
     )
-    command = [sys.executable, "-m", "harness", "run", "--family", "mcore"]
+    command = [sys.executable, "-m", "harness", "run", "--models", "mcore"]
     command += [*args, "--report-dir", str(report_dir)]
     print("$", f"PYTHONPATH={prefix}:...", " ".join(command[1:]), flush=True)
     subprocess.run(command, env=env, check=False)
