@@ -343,9 +343,9 @@ def test_a_session_with_megatron_rows_stops_on_a_missing_feature(
 
     line = "megatron-core 9.9 lacks X (feature offload_interface, ...); megatron-core 0.19 has it"
     monkeypatch.setattr(features, "required_missing", lambda: line)
-    cuda = types.SimpleNamespace(family="mcore", device=types.SimpleNamespace(type="cuda"))
+    cuda = types.SimpleNamespace(models="mcore", device=types.SimpleNamespace(type="cuda"))
     with pytest.raises(pytest.UsageError, match=re.escape(line)):
         options._check_megatron_core(cuda)  # type: ignore[arg-type]
-    for family, device in (("harness", "cuda"), ("mcore", "cpu")):
-        other = types.SimpleNamespace(family=family, device=types.SimpleNamespace(type=device))
+    for models, device in (("harness", "cuda"), ("mcore", "cpu")):
+        other = types.SimpleNamespace(models=models, device=types.SimpleNamespace(type=device))
         options._check_megatron_core(other)  # type: ignore[arg-type]  # not checked: no raise
