@@ -20,7 +20,6 @@ from harness.models.mcore.config import (
     transformer_config,
     unavailable_reason,
 )
-from harness.models.mcore.features import refusal
 from harness.models.mcore.sharding import TRAINER_NEEDS, TRAINERS, ShardingTrainer
 from harness.models.runs import Refused, RunHooks, TrainResult
 from harness.offload.config import OffloadConfig
@@ -108,6 +107,8 @@ def _refuse(spec: ModelSpec, run: RunSpec, device: torch.device, sharding: str) 
         raise ValueError(reason)
     buffer = ("pinned_activation_buffer",) if spec.offload_buffer_kib else ()
     needs = TRAINER_NEEDS[sharding] + buffer
+    from harness.models.mcore.features import refusal  # not with the package: it is a command
+
     missing = refusal(needs)
     if missing is not None:  # the installed megatron-core lacks what the row needs: a skip
         raise Refused(missing)
