@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.attribution import Attribution, group_differences, log_by_group
+from harness.cadence import Cadence
 from harness.cases import Case
 from harness.compare import Verdict
 from harness.learn import ObservedRule, expected_fields
@@ -98,6 +99,9 @@ class CaseRun:
     """The host-sync check's guarded step ``GUARDED_STEP``, taken inside the offload run
     (``guards_in_offload_run``), or the sync that stopped it (the offload run was then made
     again without the guard); None where the check makes a run of its own."""
+    cadence: Cadence | None = None
+    """Every step's reloads ordered against the group backwards around them
+    (``harness.cadence``)."""
     seconds: float = 0.0
 
     @property

@@ -464,6 +464,31 @@ def weight_problems(res: CaseRun) -> list[str]:
     return problems
 
 
+def cadence_problems(res: CaseRun) -> list[str]:
+    """No reload is issued earlier than the declared or learned rule allows, and the bytes
+    reloaded ahead of their group's backward never exceed the rule's, in any step
+    (``harness.cadence``): the first problem of each of the first three steps with one."""
+    assert res.cadence is not None
+    problems = res.cadence.problems()
+    if problems and res.semantics.observed:
+        problems.append(
+            "(the backend declares no semantics: it is held to the prefetch depth its steps 0 "
+            "and 1 showed; declare Semantics.prefetch_depth to hold it to a rule of its own)"
+        )
+    return problems
+
+
+def cadence_evidence(res: CaseRun, device_type: str) -> str | None:
+    """Why the cadence check cannot decide (None: it can): no group backward was marked."""
+    cadence = res.cadence
+    if cadence is None or not cadence.marks:
+        return (
+            "no group occurrence's backward was marked (no gradient reached the harness's "
+            "hooks on the windows' outputs and inputs): the reloads cannot be ordered"
+        )
+    return None
+
+
 def memory_problems(res: MemoryResult) -> list[str]:
     """After the last forward the offload run holds exactly the predicted bytes less than the
     baseline (requested bytes; allocated bytes within the measured rounding); the step's peak

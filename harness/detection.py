@@ -46,6 +46,7 @@ CHECKS = (
     "disabled",
     "fidelity",
     "weights",
+    "cadence",
     "memory",
     "sync",
 )

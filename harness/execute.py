@@ -45,6 +45,7 @@ from harness.baselines import (
     sharing_groups,
     sharing_key,
 )
+from harness.cadence import Cadence, run_cadence
 from harness.caserun import CaseRun, attribution_mismatches
 from harness.cases import Case
 from harness.compare import (
@@ -62,6 +63,7 @@ from harness.offload.protocol import Offloader, plan_of
 from harness.offload.recorder import GroupObservation, RecordingOffloader
 from harness.offload.semantics import GroupKey, Semantics
 from harness.predict import Expected, predict
+from harness.spec import pass_label
 from harness.syncguard import (
     GUARDED_STEP,
     GuardedOffloader,
@@ -394,7 +396,23 @@ class _CaseSteps:
             plain_made_by=runs.shared.made_by,
             run_seconds=self.seconds,
             guarded=runs.guarded,
+            cadence=self.cadence(mine),
             seconds=time.perf_counter() - start,
+        )
+
+    def cadence(self, mine: list[Observed]) -> Cadence:
+        """Every step's reloads ordered against the group backwards around them, held to the
+        declared or learned rule (``harness.cadence``)."""
+        assert self.semantics is not None
+        schedule = self.case.schedule
+        return run_cadence(
+            self.observations,
+            self.order,
+            mine,
+            [self.warmup, self.steady],
+            self.semantics,
+            self.case.offload,
+            lambda p: pass_label(p, schedule),
         )
 
 

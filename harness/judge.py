@@ -21,6 +21,9 @@ fidelity       in every step, by the harness's own windows: no unselected group'
                copies, every name the prediction moves in that step moves
 weights        no parameter storage (nor a cast of one, nor a marked tensor) is copied out in
                any step (n-a for a backend declaring that parameters move)
+cadence        in every step, no reload is issued earlier than the declared or learned
+               prefetch rule allows, nor more bytes reloaded ahead of their group's backward
+               (``harness.cadence``; the harness's own hooks mark each group's backward)
 memory         CUDA: memory after the last forward drops by what the in-flight groups free
 sync           CUDA: no host synchronisation inside the offloader's entry points
 golden         the plain baseline equals this machine's golden trace (``harness.golden``)
@@ -40,6 +43,8 @@ from harness import fingerprint, golden, progress
 from harness.caserun import CaseRun
 from harness.cases import Case
 from harness.checks import (
+    cadence_evidence,
+    cadence_problems,
     checksum_coverage,
     checksum_gap,
     disabled_problems,
@@ -302,6 +307,19 @@ def _weights(runs: CaseRuns) -> CheckOutcome:
     return _from_problems("weights", weight_problems(res), **record)
 
 
+def _cadence(runs: CaseRuns) -> CheckOutcome:
+    res = runs.case_run()
+    cadence = res.cadence
+    record = {"cadence": cadence.record()} if cadence is not None else {}
+    blind = cadence_evidence(res, runs.env.device.type)
+    if blind is not None:
+        return CheckOutcome(name="cadence", status="skip", reason=blind, record=record)
+    outcome = _from_problems("cadence", cadence_problems(res), **record)
+    if outcome.status == "pass" and cadence is not None:
+        return dataclasses.replace(outcome, reason=cadence.summary())
+    return outcome
+
+
 def _memory(runs: CaseRuns) -> CheckOutcome:
     if runs.env.device.type != "cuda":
         return _not_applicable("memory", "needs a CUDA device (the caching allocator's figures)")
@@ -357,6 +375,7 @@ CHECKS: dict[str, Callable[[CaseRuns], CheckOutcome]] = {
     "disabled": _disabled,
     "fidelity": _fidelity,
     "weights": _weights,
+    "cadence": _cadence,
     "memory": _memory,
     "sync": _sync,
     "golden": _golden,
@@ -370,6 +389,7 @@ CASE_TESTS: dict[str, str] = {
     "disabled": "cases/test_transfers.py::test_disabled_moves_nothing",
     "fidelity": "cases/test_transfers.py::test_name_fidelity",
     "weights": "cases/test_transfers.py::test_no_weight_offloaded",
+    "cadence": "cases/test_transfers.py::test_reload_cadence",
     "memory": "cases/test_memory.py::test_memory_after_forward",
     "sync": "cases/test_sync.py::test_no_host_sync",
     "golden": "cases/test_golden.py::test_golden_baseline",

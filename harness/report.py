@@ -340,6 +340,7 @@ CHECK_COLUMNS = (
     ("disabled", "disabled"),
     ("fidelity", "fidelity"),
     ("weights", "weights"),
+    ("cadence", "cadence"),
     ("memory", "memory"),
     ("sync", "sync"),
     ("golden", "golden"),

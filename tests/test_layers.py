@@ -97,6 +97,7 @@ _MEASURE = (
     "harness.timeline",
     "harness.predict",
     "harness.learn",
+    "harness.cadence",
     "harness.syncguard",
     "harness.hostclock",
 )
