@@ -242,6 +242,8 @@ def judge_step(
                     else ""
                 )
             )
+    if problems:
+        problems[0] += f" (in the step, at most {most} group(s), {most_bytes} B, ahead at once)"
     return StepCadence(
         step=step,
         problems=tuple(problems),
@@ -280,7 +282,7 @@ def _problem(
     listed = ", ".join(f"{_occurrence(k, name_pass)} {b} B" for k, b in ahead.items())
     return (
         f"step {step}, {_at(running, name_pass)}: {len(ahead)} group(s) reloaded ahead of "
-        f"their backward, {sum(ahead.values())} B ({listed}); {rule} allow {len(in_rule)} "
+        f"their backward, {sum(ahead.values())} B ({listed}); {rule} allowed {len(in_rule)} "
         f"there ({sum(in_rule.values())} B)"
     )
 
@@ -336,7 +338,7 @@ class Cadence:
         return (
             f"{reloads} reloads; at most {top.ahead_groups} group(s), {top.ahead_bytes} B, "
             f"reloaded ahead of their backward at once (step {top.step}, {top.where}); "
-            f"{self.rule} allow up to {allowed} B"
+            f"{self.rule} allowed up to {allowed} B"
         )
 
     def record(self) -> dict[str, object]:

@@ -54,6 +54,7 @@ _OFFLOAD = (
     "harness.offload.adapters",
     "harness.offload.backends",
     "harness.offload.broken",
+    "harness.offload.broken_cadence",
     "harness.offload.config",
     "harness.offload.copies",
     "harness.offload.groupstate",

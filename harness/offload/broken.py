@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from harness.offload.broken_cadence import EagerReload, TwoAhead
 from harness.offload.config import OffloadConfig
 from harness.offload.policy import apply_delta, apply_margin, fraction_disabled_count, summarize
 from harness.offload.pool import HostBufferPool
@@ -778,6 +779,18 @@ OFFLOADERS: tuple[BrokenOffloader, ...] = (
         factory=CorruptReload,
         bug_class="transport corruption: one bit flipped on the way back",
         reference="STYLE rule 14",
+        cpu=True,
+    ),
+    BrokenOffloader(
+        factory=EagerReload,
+        bug_class="every offloaded group reloaded at the start of its pass's backward",
+        reference="Megatron-LM #7575 (reload cadence, backward peak); issue 50",
+        cpu=True,
+    ),
+    BrokenOffloader(
+        factory=TwoAhead,
+        bug_class="reloads prefetched two groups ahead of their backward",
+        reference="Megatron-LM #7575 / dev #5101 (reloads run ahead of their backward)",
         cpu=True,
     ),
 )
