@@ -99,6 +99,9 @@ class CaseRun:
     """The host-sync check's guarded step ``GUARDED_STEP``, taken inside the offload run
     (``guards_in_offload_run``), or the sync that stopped it (the offload run was then made
     again without the guard); None where the check makes a run of its own."""
+    inert: str = ""
+    """Why the configuration moves nothing by design (``harness.predict.inert_reason``; empty:
+    it moves something): the case then proves that nothing moved instead of the offload."""
     cadence: Cadence | None = None
     """Every step's reloads ordered against the group backwards around them
     (``harness.cadence``)."""

@@ -99,6 +99,10 @@ class Case:
     """Multi-token-prediction layers after the pattern (``ModelSpec.mtp``)."""
     delta_bytes: int = 0
     """``delta_offload_bytes_across_pp_ranks``: bytes per pipeline rank kept on the device."""
+    pool_cap: int | None = None
+    """``pinned_pool_buffers``: the most host buffers the pinned pool holds (None: no cap). A
+    row with a cap below what a step needs must see the pool exhausted, and handled (the
+    offloader's log counts it), every loss still bitwise."""
     min_ranks: int = 1
     """Fewest ranks (torchrun ``WORLD_SIZE``) the case needs; below it, it skips at collection."""
     custom_pattern: str | None = None
@@ -168,6 +172,8 @@ class Case:
             parts.append(f"min-{self.min_tensor_size}")
         if self.delta_bytes:
             parts.append(f"delta-{self.delta_bytes}")
+        if self.pool_cap is not None:
+            parts.append(f"pool-{self.pool_cap}")
         if self.recompute:
             parts.append(f"recompute-{self.recompute}")
         if self.cuda_graph:
@@ -214,6 +220,7 @@ class Case:
             activation_offload_fraction=self.fraction,
             max_inflight_offloads=self.max_inflight,
             delta_offload_bytes_across_pp_ranks=self.delta_bytes,
+            pinned_pool_buffers=self.pool_cap,
         )
 
     def replace(self, **changes: Any) -> Case:

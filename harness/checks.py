@@ -42,7 +42,11 @@ def repro_hint(case: Case, env: Environment) -> str:
 def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str]:
     """Offload happened, then losses, gradients and final weights equal the plain baseline
     (``env``: where it ran, for the reproduce hint)."""
-    if res.proof_problems:
+    if res.inert:
+        moved = inert_copies(res)
+        if moved:
+            return [f"{res.inert}, yet the offload run copied: {moved}"]
+    elif res.proof_problems:
         return ["the offload did not happen in step 0 (the warmup step):", *res.proof_problems]
     problems = []
     if res.corrupted:
@@ -66,6 +70,20 @@ def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str
         problems.append(loss_table(res.baseline.losses, res.offload.losses))
         problems.append(repro_hint(case, env))
     return problems
+
+
+def inert_copies(res: CaseRun) -> str:
+    """What an inert case's offload run copied anyway, by the harness's windows, per step
+    (empty: nothing): the proof an inert case gives instead of the offload's."""
+    moved = []
+    for step, counts in enumerate(res.per_step):
+        totals = counts.totals()
+        if totals["d2h"].copies or totals["h2d"].copies:
+            copied = [k for k, f in counts.by_group().items() if f["d2h_copies"] or f["h2d_copies"]]
+            moved.append(
+                f"step {step}: {totals['d2h']} out, {totals['h2d']} back, in {_occurrences(copied)}"
+            )
+    return "; ".join(moved[:3])
 
 
 def checksum_coverage(res: CaseRun) -> dict[str, int]:
@@ -268,7 +286,7 @@ def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[st
             f"its steps {steps} show, and none does; where the closest differs:",
             *_capped(res.step_mismatches() + res.mismatches()),
         ]
-    if not any(e.bytes for e in res.expected.values()):
+    if not any(e.bytes for e in res.expected.values()) and not res.inert:
         return ["the prediction moves nothing in the final step: the case would prove nothing"]
     problems = []
     final = f"step {case.steps - 1} (the final step)"

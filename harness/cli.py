@@ -50,6 +50,7 @@ from harness.plots import preload_plotting
 from harness.report import (
     REPORT_INCOMPLETE,
     claim_run_folder,
+    inert_reason,
     is_failure,
     skip_reason,
     summary_text,
@@ -430,8 +431,12 @@ def command_run(args: argparse.Namespace) -> int:
     skipped = [c for c in summary["cases"] if c["verdict"] == "skip"]
     for case in skipped:
         print(f"\nSKIP {case['name']}: {skip_reason(case)}")
-    passed = len(cases) - failed - len(skipped)
+    inert = [c for c in summary["cases"] if c["verdict"] == "inert"]
+    for case in inert:
+        print(f"\nINERT {case['name']}: {inert_reason(case)}")
+    passed = len(cases) - failed - len(skipped) - len(inert)
     also = f", {len(skipped)} skipped" if skipped else ""
+    also += f", {len(inert)} inert (configured to move nothing)" if inert else ""
     print(f"\n{passed}/{len(cases)} cases passed{also} in {summary['seconds']:.1f}s; {where}")
     if report.failed and not stopped:
         return REPORT_INCOMPLETE

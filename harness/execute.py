@@ -62,7 +62,7 @@ from harness.offload.layout import LayoutBaseline
 from harness.offload.protocol import Offloader, plan_of
 from harness.offload.recorder import GroupObservation, RecordingOffloader
 from harness.offload.semantics import GroupKey, Semantics
-from harness.predict import Expected, predict
+from harness.predict import Expected, inert_reason, predict
 from harness.spec import pass_label
 from harness.syncguard import (
     GUARDED_STEP,
@@ -397,6 +397,7 @@ class _CaseSteps:
             run_seconds=self.seconds,
             guarded=runs.guarded,
             cadence=self.cadence(mine),
+            inert=inert_reason(self.observations, self.config, [self.warmup, self.steady]),
             seconds=time.perf_counter() - start,
         )
 

@@ -225,11 +225,26 @@ class _Raised:
 # ------------------------------------------------------------------------------ the checks
 
 
+def _inert(name: str, runs: CaseRuns) -> CheckOutcome | None:
+    """``n-a`` for a check that needs something moved, on an inert case (None otherwise)."""
+    res = runs.case_run()
+    if not res.inert:
+        return None
+    return _not_applicable(name, f"{res.inert}: nothing is offloaded to check")
+
+
 def _equivalence(runs: CaseRuns) -> CheckOutcome:
     res = runs.case_run()
+    record = case_record(res)
+    if res.inert:
+        record["inert"] = res.inert
     outcome = _from_problems(
-        "equivalence", equivalence_problems(runs.case, res, runs.env), **case_record(res)
+        "equivalence", equivalence_problems(runs.case, res, runs.env), **record
     )
+    if res.inert and outcome.status == "pass":
+        return dataclasses.replace(
+            outcome, reason=f"{res.inert}; nothing moved in any step, losses bitwise"
+        )
     gap = checksum_gap(checksum_coverage(res))
     if gap and outcome.status == "pass":  # visible: never a silent pass of the checksum part
         return dataclasses.replace(outcome, reason=gap)
@@ -276,7 +291,9 @@ def _transfers(runs: CaseRuns) -> CheckOutcome:
 
 
 def _disabled(runs: CaseRuns) -> CheckOutcome:
-    return _from_problems("disabled", disabled_problems(runs.case_run()))
+    return _inert("disabled", runs) or _from_problems(
+        "disabled", disabled_problems(runs.case_run())
+    )
 
 
 def _fidelity(runs: CaseRuns) -> CheckOutcome:
@@ -286,6 +303,9 @@ def _fidelity(runs: CaseRuns) -> CheckOutcome:
 
 def _weights(runs: CaseRuns) -> CheckOutcome:
     res = runs.case_run()
+    inert = _inert("weights", runs)
+    if inert is not None:
+        return inert
     seen = {
         "copies": len(res.weight_copies),
         "bytes": sum(c.nbytes for _, c in res.weight_copies),
@@ -309,6 +329,9 @@ def _weights(runs: CaseRuns) -> CheckOutcome:
 
 def _cadence(runs: CaseRuns) -> CheckOutcome:
     res = runs.case_run()
+    inert = _inert("cadence", runs)
+    if inert is not None:
+        return inert
     cadence = res.cadence
     record = {"cadence": cadence.record()} if cadence is not None else {}
     blind = cadence_evidence(res, runs.env.device.type)
@@ -323,6 +346,9 @@ def _cadence(runs: CaseRuns) -> CheckOutcome:
 def _memory(runs: CaseRuns) -> CheckOutcome:
     if runs.env.device.type != "cuda":
         return _not_applicable("memory", "needs a CUDA device (the caching allocator's figures)")
+    inert = _inert("memory", runs)
+    if inert is not None:
+        return inert
     res = runs.memory()
     count, freed = res.floor_freed
     if runs.case.sharding == "zero3" and count:
@@ -420,12 +446,16 @@ class Judgement:
 
     @property
     def verdict(self) -> str:
-        """``fail`` if a check failed; ``skip`` if none failed and none passed but one skipped
+        """``fail`` if a check failed; ``inert`` if none failed and the configuration moves
+        nothing by design (``harness.predict.inert_reason``: nothing eligible, and nothing
+        moved); ``skip`` if none failed and none passed but one skipped
         (a configuration the model's library refuses); else ``pass`` (a golden trace
         ``updated`` is no failure, and alone no pass either)."""
         statuses = {o.status for o in self.outcomes}
         if "fail" in statuses:
             return "fail"
+        if any(o.record.get("inert") for o in self.outcomes):
+            return "inert"
         if "skip" in statuses and "pass" not in statuses:
             return "skip"
         return "pass"
