@@ -81,7 +81,12 @@ def megatron_allowed(
     """Offloaded group occurrence -> the index of the event after which Megatron-Core's rule
     may reload it (``passes``: each pass's offloaded occurrences in commit order; ``order``:
     the schedule's ("F"|"B", pass) sequence). A group no backward end prefetches is reloaded at
-    its own backward (its start mark; None without one)."""
+    its own backward (its start mark; None without one).
+
+    A stack entry whose backward already started is passed over (it was reloaded at its first
+    unpack, or will be): the reference skips the ones reloaded so far, Megatron pops them
+    without a reload; skipping every started one reaches the next group no later than either,
+    so the bound it gives is never tighter than theirs."""
     stacks = {p: list(keys) for p, keys in passes.items()}
     started: set[GroupKey] = set()
     allowed: dict[GroupKey, int | None] = {}
@@ -355,6 +360,15 @@ class Cadence:
         }
 
 
+def commit_order(observed: Observed, observations: Sequence[GroupObservation]) -> list[GroupKey]:
+    """The step's group occurrences in commit order (``Observed.commits``); where the harness
+    saw no commit (a backend driving its own groups without reporting them), the hooks run's
+    start order, exact for groups that do not nest."""
+    if observed.commits:
+        return list(dict.fromkeys(observed.commits))
+    return [(o.microbatch, o.layer, o.name) for o in observations]
+
+
 def rule_label(semantics: Semantics) -> str:
     """How messages name the cadence rule of ``semantics``."""
     if semantics.prefetch_depth is None:
@@ -395,10 +409,9 @@ def run_cadence(
         marks += len(observed.marks)
         predicted = expected[min(step, len(expected) - 1)]
         passes: dict[int, list[GroupKey]] = {}
-        for obs in observations:
-            key = (obs.microbatch, obs.layer, obs.name)
+        for key in commit_order(observed, observations):
             if key in predicted and predicted[key].offloaded:
-                passes.setdefault(obs.microbatch, []).append(key)
+                passes.setdefault(key[0], []).append(key)
         sizes = {k: e.bytes for k, e in predicted.items() if e.offloaded}
         allowed = allowed_for(events, passes, order, semantics)
         judged.append(judge_step(step, events, allowed, sizes, rule, name_pass))

@@ -358,6 +358,62 @@ PIPELINE_ROWS: tuple[Case, ...] = (
 matrix has the first, the full one all."""
 
 
+CADENCE_ROWS: tuple[Case, ...] = (
+    Case(
+        family="hybrid",
+        offload=ATTENTION_NAMES,
+        schedule="1f1b",
+        microbatches=3,
+        precision="bf16",
+        fraction=0.5,
+        description="activation_offload_fraction 0.5 under 1F1B with 3 microbatches: groups kept "
+        "on the device still take a reload slot in Megatron's rule, so reloads run ahead of "
+        "their backward (Megatron-LM #7575); the cadence check holds every step to the rule",
+    ),
+    SEED_CASE.replace(
+        pool_cap=2,
+        description="the pinned pool capped at 2 buffers, below what a step needs: exhausted, "
+        "handled with buffers outside the pool, every loss bitwise (PaddleFleet #1877)",
+    ),
+    SEED_CASE.replace(
+        min_tensor_size=1 << 30,
+        description="min_offloaded_tensor_size above every saved activation: inert, nothing "
+        "eligible, and nothing may move (PaddleFleet #1877)",
+    ),
+)
+"""Rows of when reloads happen and of the configurations that bound or disable the offload:
+partial offload under 1F1B, a pinned pool too small for the step, a threshold that makes the
+configuration inert. The default matrix has these; the full one also ``FULL_CADENCE_ROWS``."""
+
+FULL_CADENCE_ROWS: tuple[Case, ...] = (
+    Case(
+        family="hybrid",
+        offload=("core_attn", "attn_proj"),
+        precision="bf16",
+        fraction=0.5,
+        description="activation_offload_fraction 0.5, sequential schedule",
+    ),
+    Case(
+        family="hybrid",
+        offload=ATTENTION_NAMES,
+        schedule="interleaved",
+        microbatches=4,
+        precision="bf16",
+        fraction=0.5,
+        description="activation_offload_fraction 0.5 under the interleaved schedule",
+    ),
+    Case(
+        family="moe",
+        offload=("qkv_linear", "core_attn", "attn_proj"),
+        schedule="1f1b",
+        microbatches=3,
+        pool_cap=4,
+        description="the pinned pool capped at 4 buffers under 1F1B with 3 microbatches",
+    ),
+)
+"""The full matrix's further cadence, fraction and pool rows."""
+
+
 _MCORE_SLACK = dict(
     memory_slack=64,
     memory_slack_reason=(
@@ -509,15 +565,27 @@ def full_matrix() -> list[Case]:
                         max_inflight=inflight,
                     )
                 )
-    return rows + list(DETECTION_ROWS) + list(PIPELINE_ROWS) + zero3_rows(full=True)
+    return (
+        rows
+        + list(DETECTION_ROWS)
+        + list(PIPELINE_ROWS)
+        + list(CADENCE_ROWS + FULL_CADENCE_ROWS)
+        + zero3_rows(full=True)
+    )
 
 
 def default_matrix() -> list[Case]:
     """The seed case, then one row per (family, offload set) cycling the other axes, then the
-    detection rows, the seed's row under the interleaved schedule, then the seed's and one MoE
-    row under ZeRO-3."""
+    detection rows, the seed's row under the interleaved schedule, the cadence rows (fraction,
+    pool cap, inert), then the seed's and one MoE row under ZeRO-3."""
     rows = [SEED_CASE, *(r for r in _cycled_rows() if r.name != SEED_CASE.name)]
-    return rows + list(DETECTION_ROWS) + list(PIPELINE_ROWS[:1]) + zero3_rows(full=False)
+    return (
+        rows
+        + list(DETECTION_ROWS)
+        + list(PIPELINE_ROWS[:1])
+        + list(CADENCE_ROWS)
+        + zero3_rows(full=False)
+    )
 
 
 MATRICES = {"default": default_matrix, "full": full_matrix}

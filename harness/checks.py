@@ -267,6 +267,7 @@ def log_leak_problems(case: Case, res: CaseRun) -> list[str]:
                     for mb, keys in sorted(_by_microbatch(offloaded).items())
                 )
             )
+    problems += pool_cap_problems(case, logs)
     # from the warmup's end on: a pool growing in the first steady step is growing too
     allocated = [log.pool_allocated for log in logs[evals:]]
     if len(set(allocated)) > 1:
@@ -275,6 +276,39 @@ def log_leak_problems(case: Case, res: CaseRun) -> list[str]:
             f"steps 0..{case.steps - 1}): {allocated}"
         )
     return problems
+
+
+def pool_cap_problems(case: Case, logs: list[Any]) -> list[str]:
+    """A row capping the pinned pool below what a step needs must see the cap hit (the
+    offloader's log counts each request the pool could not serve) and stay within it; a backend
+    whose log shows no pool at all has nothing the cap applies to."""
+    cap = case.pool_cap
+    if cap is None or not any(log.pool_allocated for log in logs):
+        return []
+    problems = []
+    if not logs[-1].pool_exhausted:
+        problems.append(
+            f"the pinned pool capped at {cap} buffers was never exhausted (allocated "
+            f"{[log.pool_allocated for log in logs]}): the row proves nothing about exhaustion"
+        )
+    if max(log.pool_allocated for log in logs) > cap:
+        problems.append(
+            f"the pinned pool grew past its cap of {cap} buffers: "
+            f"{[log.pool_allocated for log in logs]}"
+        )
+    return problems
+
+
+def pool_record(case: Case, res: CaseRun) -> dict[str, Any] | None:
+    """The report's ``pool`` field: the cap, and how often each step's pool was exhausted
+    (cumulative per the offloader's log); None without a cap."""
+    if case.pool_cap is None:
+        return None
+    return {
+        "cap": case.pool_cap,
+        "exhausted": [log.pool_exhausted for log in res.offload.logs],
+        "allocated": [log.pool_allocated for log in res.offload.logs],
+    }
 
 
 def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[str]:

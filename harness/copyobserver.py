@@ -101,6 +101,10 @@ class Observed:
     started (the gradient of its window's output arrived) and ended (the gradient of its
     window's input is complete), in the same sequence as ``Copy.seq``; the harness's own
     autograd hooks, no cooperation from the offloader."""
+    commits: list[GroupKey] = field(default_factory=list)
+    """Group occurrences in the order their commits returned in the step's forwards (groups
+    nest: attn_norm starts before the attention groups and commits after them), the order
+    Megatron's rule reloads in, last committed first."""
     ranged: list[tuple[RangeKey, int]] = field(default_factory=list)
     """On a CPU device: every copy op issued inside one of the offloader's own ranges
     (``harness.offload.ranges.profiler_range``), with the destination's bytes, keyed by the
@@ -192,6 +196,7 @@ class Observed:
             _compared=self._compare(),
             relaid=self.relaid,
             marks=self.marks,
+            commits=self.commits,
         )
 
 
@@ -275,6 +280,11 @@ class CopyObserver(TorchDispatchMode):
         forward), as ``state.weights``."""
         self.lock = threading.Lock()
         self._seq = itertools.count()
+
+    def committed(self, key: GroupKey) -> None:
+        """Group occurrence ``key``'s commit returned (``Observed.commits``)."""
+        with self.lock:
+            self.observed.commits.append(key)
 
     def mark_backward(self, kind: str, key: GroupKey) -> None:
         """Group occurrence ``key``'s backward started or ended (``Observed.marks``)."""

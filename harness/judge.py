@@ -53,6 +53,7 @@ from harness.checks import (
     leak_evidence,
     leak_problems,
     memory_problems,
+    pool_record,
     transfer_problems,
     weight_problems,
 )
@@ -261,10 +262,20 @@ def _leaks(runs: CaseRuns) -> CheckOutcome:
             "log_cross_check": bool(res.offload.logs),
         }
     }
+    pool = pool_record(runs.case, res)
+    if pool is not None:
+        record["pool"] = pool
     blind = leak_evidence(res)
     if blind is not None:
         return CheckOutcome(name="leaks", status="skip", reason=blind, record=record)
-    return _from_problems("leaks", leak_problems(runs.case, res), **record)
+    outcome = _from_problems("leaks", leak_problems(runs.case, res), **record)
+    if pool is not None and outcome.status == "pass" and pool["exhausted"]:
+        reason = (
+            f"pinned pool capped at {pool['cap']} buffers: exhausted {pool['exhausted'][-1]} "
+            f"times over the run, each handled with a buffer outside the pool"
+        )
+        return dataclasses.replace(outcome, reason=reason)
+    return outcome
 
 
 def _transfers(runs: CaseRuns) -> CheckOutcome:

@@ -193,6 +193,8 @@ def mark_backward(state: _WindowState, tensor: Any, kind: str, key: GroupKey) ->
     whole group's backward). The hook returns nothing, so it changes no gradient; a tensor that
     needs no gradient gets none (that group's backward is then not ordered)."""
     observer = state.observer
+    if observer is not None and kind == "start":
+        observer.committed(key)
     if observer is None or not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
         return
     if not torch.is_grad_enabled():
