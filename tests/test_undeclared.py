@@ -32,7 +32,7 @@ ROWS = (
     Case(family="hybrid", offload=("core_attn", "attn_proj"), custom_pattern="+-+-"),
     Case(family="moe", offload=("qkv_linear", "expert_fc1", "moe_act"), precision="bf16"),
 )
-CHECKS = ("equivalence", "transfers", "disabled", "fidelity", "weights")
+CHECKS = ("equivalence", "transfers", "disabled", "fidelity", "weights", "cadence")
 CORRECT = ("StorageSkip", "ObjectSkip", "SizeThreshold", "WholeStorage", "HandBack")
 
 
