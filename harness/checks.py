@@ -586,6 +586,8 @@ def memory_problems(res: MemoryResult) -> list[str]:
             f"peak {res.offload_peak} B above the baseline's {res.baseline_peak} B by more than "
             f"the {allowance} B allowed (duplicate whole-storage reloads, slack blocks)"
         )
+    if res.backward is not None:
+        problems += res.backward.problems
     count, freed = res.floor_freed
     if problems and count:
         problems.append(

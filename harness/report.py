@@ -460,5 +460,6 @@ def memory_record(res: Any) -> dict[str, Any]:
             "floor_freed_blocks": res.floor_freed[0],
             "floor_freed_bytes": res.floor_freed[1],
             "baseline": {"key": res.baseline_key, "made_by": res.baseline_made_by},
+            "backward": res.backward.record() if getattr(res, "backward", None) else None,
         }
     }

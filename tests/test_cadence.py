@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.backwardpeak import BackwardReading, backward_problems, block
 from harness.cadence import (
     END,
     RELOAD,
@@ -225,3 +226,21 @@ def test_the_reference_marks_every_group_backward() -> None:
     # core_attn, attn_proj) x 2 microbatches, a start and an end each, in 2 steps
     assert record["marks"] == 3 * 4 * 2 * 2 * 2
     assert record["ahead_groups"][1] >= 1
+
+
+def test_allocator_blocks_and_backward_problems() -> None:
+    assert [block(n) for n in (0, 1, 512, 513, 4096)] == [0, 512, 512, 1024, 4096]
+    base = [(START, C, 10_000), (END, C, 9_000), (START, B, 8_000)]
+    off = [(START, C, 6_000), (END, C, 5_000), (START, B, 7_000)]
+    reading = BackwardReading(baseline=base, offload=off, predicted=[4_000, 4_000, 4_000])
+    # at B's start the offload run dropped only 1000 B below the baseline: B's reload came early
+    problems = backward_problems(reading)
+    assert problems[0] == (
+        "during backward (final step) the offload run peaked at 7000 B at the group boundaries, "
+        "predicted 6000 B (baseline 10000 B); 1 boundaries differ:"
+    )
+    assert problems[1] == (
+        "backward start of core_attn (microbatch 0, layer 1): memory_allocated 7000 B against "
+        "the baseline's 8000 B, a drop of 1000 B, predicted 4000 B"
+    )
+    assert backward_problems(BackwardReading(baseline=base, offload=base, predicted=None)) == []

@@ -91,6 +91,7 @@ _MEASURE = (
     "harness.baselines",  # the plain baseline and memory reading rows share
     "harness.caserun",
     "harness.memory",  # the memory case's reading
+    "harness.backwardpeak",
     "harness.observe",
     "harness.copyobserver",
     "harness.checksums",
