@@ -283,12 +283,12 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
     ),
     BrokenBackend(
         factory=EagerReload,
-        catchers=(("cadence", SEED), ("cadence", ATTENTION_1F1B_3MB), ("cadence", INTERLEAVED)),
+        catchers=(("cadence", SEED), ("cadence", ATTENTION_1F1B_3MB)),
         reasons=(("cadence", EARLY_RELOAD),),
     ),
     BrokenBackend(
         factory=TwoAhead,
-        catchers=(("cadence", SEED), ("cadence", ATTENTION_1F1B_3MB), ("cadence", INTERLEAVED)),
+        catchers=(("cadence", SEED), ("cadence", ATTENTION_1F1B_3MB)),
         reasons=(("cadence", EARLY_RELOAD),),
     ),
 )
