@@ -244,3 +244,19 @@ def test_allocator_blocks_and_backward_problems() -> None:
         "the baseline's 8000 B, a drop of 1000 B, predicted 4000 B"
     )
     assert backward_problems(BackwardReading(baseline=base, offload=base, predicted=None)) == []
+
+
+@pytest.mark.parametrize("backend", ["broken.eager_reload", "broken.two_ahead"])
+def test_cadence_broken_offloaders_are_caught_by_cadence_alone(backend: str) -> None:
+    # Bitwise losses, exact counts, no leak, nothing unselected, no weight: only the order of
+    # the reloads shows them (memory and sync are CUDA's; golden reads the plain run alone).
+    row = SEED_CASE.replace(steps=3)
+    checks = ("equivalence", "leaks", "transfers", "disabled", "fidelity", "weights", "cadence")
+    judgement = judge(row, Environment(device=CPU, backend=backend), checks=checks)
+    statuses = {o.name: o.status for o in judgement.outcomes}
+    assert statuses == {**dict.fromkeys(checks[:-1], "pass"), "cadence": "fail"}, statuses
+    cadence = next(o for o in judgement.outcomes if o.name == "cadence")
+    assert len(cadence.problems) == 3, cadence.problems  # one per step, steps 0, 1 and 2
+    assert cadence.problems[1].startswith("step 1, microbatch 0, ")
+    assert "reloaded ahead of their backward" in cadence.problems[1]
+    assert "; first too early: " in cadence.problems[1]
