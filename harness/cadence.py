@@ -155,17 +155,17 @@ def depth_allowed(
 def measured_depth(events: Sequence[Event]) -> int:
     """The least prefetch depth that allows every reload of the step (0 without a reload
     ahead of its group's backward): what an undeclared backend is held to afterwards."""
-    starts = _first(events, START)
+    starts, ends = _first(events, START), _first(events, END)
     ordered = sorted(starts, key=starts.__getitem__)
+    place = {key: i for i, key in enumerate(ordered)}
     deepest = 0
     for index, event in enumerate(events):
         if event.kind != RELOAD or event.key not in starts or index > starts[event.key]:
             continue
-        place = ordered.index(event.key)
-        depth = 1
-        while depth <= place:
-            allowed = depth_allowed(events, [event.key], depth)[event.key]
-            if allowed is not None and index > allowed:
+        depth = 1  # the least d whose allowed point (see depth_allowed) lies before the reload
+        while depth <= place[event.key]:
+            before = ordered[place[event.key] - depth]
+            if index > ends.get(before, starts[before]):
                 break
             depth += 1
         deepest = max(deepest, depth)
