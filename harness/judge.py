@@ -348,6 +348,17 @@ def _cadence(runs: CaseRuns) -> CheckOutcome:
     blind = cadence_evidence(res, runs.env.device.type)
     if blind is not None:
         return CheckOutcome(name="cadence", status="skip", reason=blind, record=record)
+    if cadence is not None and not any(s.reloads for s in cadence.steps):
+        if not res.semantics.reloads_on(runs.env.device.type):
+            return CheckOutcome(
+                name="cadence",
+                status="n-a",
+                reason="on a CPU device the backend hands out the host copy at unpack: no "
+                "reload copy to order",
+                record=record,
+            )
+        reason = "no reload copy was observed to order (the transfers check says why)"
+        return CheckOutcome(name="cadence", status="skip", reason=reason, record=record)
     outcome = _from_problems("cadence", cadence_problems(res), **record)
     if outcome.status == "pass" and cadence is not None:
         return dataclasses.replace(outcome, reason=cadence.summary())
