@@ -141,7 +141,10 @@ def test_a_correct_undeclared_offloader_passes(style: str, row: Case) -> None:
     judgement = judge(row, Environment(device=CPU, backend=f"undeclared_offloaders:{style}"))
     statuses = _statuses(judgement)
     assert judgement.verdict == "pass", judgement.problems
-    assert {statuses[c] for c in CHECKS} == {"pass"}, statuses
+    expected = dict.fromkeys(CHECKS, "pass")
+    if style == "HandBack":  # on a CPU device its unpack hands out the host copy: no reload
+        expected["cadence"] = "n-a"
+    assert {c: statuses[c] for c in CHECKS} == expected, statuses
     transfers = next(o for o in judgement.outcomes if o.name == "transfers")
     assert "declare semantics to check it against Megatron's" in transfers.reason
     rule = judgement.record()["rule"]
