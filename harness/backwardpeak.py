@@ -152,30 +152,32 @@ def predicted_drops(
         passes.setdefault(key[0], []).append(key)
     allowed = allowed_for(events, passes, order, semantics)
     by_key = {(o.microbatch, o.layer, o.name): o for o in observations}
-    freed = {k: _freed_blocks(by_key[k], steady[k]) for k in offloaded}
+    freed = {k: _freed_storages(by_key[k], steady[k]) for k in offloaded}
     back = {k: sum(block(n) for n in reload_sizes(by_key[k], config, semantics)) for k in offloaded}
     starts = {e.key: i for i, e in reversed(list(enumerate(events))) if e.kind == START}
     drops = []
     for index, (_, current, _) in enumerate(samples):
         at = order.index(("B", current[0]))
+        storages: dict[tuple[int, int], int] = {}  # a storage two groups free counts once
         drop = 0
         for key in offloaded:
             if order.index(("F", key[0])) > at or starts.get(key, len(events)) < index:
                 continue  # not yet forwarded, or its backward already ran
+            storages.update(freed[key])
             limit = allowed.get(key)
-            reloaded = limit is not None and limit < index and starts.get(key, -1) > limit
-            drop += freed[key] - (back[key] if reloaded else 0)
-        drops.append(drop)
+            if limit is not None and limit < index and starts.get(key, -1) > limit:
+                drop -= back[key]  # reloaded ahead: its reloads hold device memory again
+        drops.append(drop + sum(block(n) for n in storages.values()))
     return drops
 
 
-def _freed_blocks(obs: GroupObservation, expected: Expected) -> int:
-    sizes = {
-        info.storage_id: info.storage_nbytes
+def _freed_storages(obs: GroupObservation, expected: Expected) -> dict[tuple[int, int], int]:
+    """(pass, storage id) -> bytes of each storage the group's offload frees."""
+    return {
+        (obs.microbatch, info.storage_id): info.storage_nbytes
         for info in (*obs.saved, *obs.released)
         if info.storage_id in expected.freed_storages
     }
-    return sum(block(n) for n in sizes.values())
 
 
 def backward_problems(reading: BackwardReading) -> list[str]:
