@@ -33,6 +33,13 @@ How a copy is attributed to a group occurrence
     still the prefetched group's; an H2D from memory no observed D2H wrote is ``outside``.
     Bytes are the destination's ``numel * element_size``.
 
+Backward marks: in an observed step each window also hangs an autograd hook on the group's input
+(``end``: its gradient is complete, the group's backward is over) and on its commit's output
+(``start``: its gradient arrived, the group's backward begins), and notes each commit in order;
+the observer numbers the marks with the copies (``Observed.marks``, ``Observed.commits``,
+``Copy.seq``), which the cadence check (``harness.cadence``) orders reloads by. The hooks return
+nothing, so no gradient changes.
+
 Weights: ``Windowed.note_model`` (the ``model_ready`` run hook) gives the observer every
 parameter's storage when the run's model is built; a D2H whose source lies in one, in a cast of a
 parameter a group saved (its autograd node a copy of the parameter), or in a tensor the model
