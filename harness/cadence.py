@@ -134,39 +134,46 @@ def depth_allowed(
 ) -> dict[GroupKey, int | None]:
     """Offloaded group occurrence -> the index of the event after which a prefetch ``depth``
     groups ahead may reload it: the end of the backward of the occurrence ``depth`` places
-    before it in backward order (0: its own start; -1: anywhere, fewer than ``depth`` before)."""
-    starts, ends = _first(events, START), _first(events, END)
-    backward = sorted(starts, key=starts.__getitem__)
-    place = {key: i for i, key in enumerate(backward)}
-    allowed: dict[GroupKey, int | None] = {}
-    for key in offloaded:
-        if key not in place:
-            allowed[key] = None
-        elif depth == 0:
-            allowed[key] = starts[key]
-        elif place[key] - depth < 0:
-            allowed[key] = -1
-        else:
-            before = backward[place[key] - depth]
-            allowed[key] = ends.get(before, starts[before])
-    return allowed
+    before it in backward order (0: its own start; -1: anywhere, fewer than ``depth`` before).
+    Where groups nest (an attn_norm's backward ends after the groups inside it), the earliest
+    end among the ``depth`` occurrences before it, so a deeper prefetch never allows less."""
+    order = _BackwardOrder(events)
+    return {key: order.allowed(key, depth) for key in offloaded}
+
+
+class _BackwardOrder:
+    """A step's group occurrences in backward order (by their first start mark), with where
+    each one's backward starts and ends."""
+
+    def __init__(self, events: Sequence[Event]) -> None:
+        self.starts, self.ends = _first(events, START), _first(events, END)
+        self.backward = sorted(self.starts, key=self.starts.__getitem__)
+        self.place = {key: i for i, key in enumerate(self.backward)}
+
+    def allowed(self, key: GroupKey, depth: int) -> int | None:
+        if key not in self.place:
+            return None
+        at = self.place[key]
+        if depth > at:
+            return -1
+        limit = self.starts[key]
+        for before in self.backward[at - depth : at]:
+            limit = min(limit, self.ends.get(before, self.starts[before]))
+        return limit
 
 
 def measured_depth(events: Sequence[Event]) -> int:
     """The least prefetch depth that allows every reload of the step (0 without a reload
     ahead of its group's backward): what an undeclared backend is held to afterwards."""
-    starts, ends = _first(events, START), _first(events, END)
-    ordered = sorted(starts, key=starts.__getitem__)
-    place = {key: i for i, key in enumerate(ordered)}
+    order = _BackwardOrder(events)
     deepest = 0
     for index, event in enumerate(events):
-        if event.kind != RELOAD or event.key not in starts or index > starts[event.key]:
+        if event.kind != RELOAD or event.key not in order.starts:
             continue
-        depth = 1  # the least d whose allowed point (see depth_allowed) lies before the reload
-        while depth <= place[event.key]:
-            before = ordered[place[event.key] - depth]
-            if index > ends.get(before, starts[before]):
-                break
+        if index > order.starts[event.key]:
+            continue
+        depth = 1  # the least d whose allowed point (depth_allowed's) lies before the reload
+        while index <= (order.allowed(event.key, depth) or 0) and depth <= order.place[event.key]:
             depth += 1
         deepest = max(deepest, depth)
     return deepest

@@ -260,3 +260,14 @@ def test_cadence_broken_offloaders_are_caught_by_cadence_alone(backend: str) -> 
     assert cadence.problems[1].startswith("step 1, microbatch 0, ")
     assert "reloaded ahead of their backward" in cadence.problems[1]
     assert "; first too early: " in cadence.problems[1]
+
+
+def test_a_deeper_prefetch_never_allows_less_where_groups_nest() -> None:
+    # attn_norm N spans P and Q: its backward starts first and ends last (index 6). For Q,
+    # depth 1 allows after P's end (2); depth 2 reaches N, whose end comes later, so it takes
+    # the earliest end among the two before: still P's.
+    N, P, Q = (0, 0, "attn_norm"), (0, 0, "attn_proj"), (0, 0, "core_attn")
+    events = [Event(kind=START, key=N), *_backward(P), *_backward(Q), Event(kind=END, key=N)]
+    assert depth_allowed(events, [Q], 1) == {Q: 2}
+    assert depth_allowed(events, [Q], 2) == {Q: 2}
+    assert depth_allowed(events, [Q], 3) == {Q: -1}
