@@ -1,6 +1,6 @@
 """Loss equivalence: the offload run against the plain and the hooks baselines, bitwise by
 default, every step (the warmup included) and every microbatch; gradients and final weights too.
-Before trusting equality, the case proves the offload happened. Decided by ``harness.judge``
+Before trusting equality, the case proves the offload happened. Decided by ``harness.verify.judge``
 (checks ``equivalence`` and ``leaks``), as ``offload-harness run`` decides them."""
 
 from __future__ import annotations

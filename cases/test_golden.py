@@ -1,9 +1,9 @@
 """Golden values: the plain baseline's loss trace equals the committed golden file of this
-machine's numerics fingerprint bitwise (``harness.golden``), so a model, runner or library
+machine's numerics fingerprint bitwise (``harness.verify.golden``), so a model, runner or library
 change that moves the numbers is caught even when the offload run still matches its baseline.
 A machine with no trace for its fingerprint skips with the fingerprint and how to record one.
 No extra training: the trace comes from the case's shared run. ``--update-golden`` rewrites the
-files instead. Decided by ``harness.judge`` (check ``golden``); rank 0 checks (or writes) its
+files instead. Decided by ``harness.verify.judge`` (check ``golden``); rank 0 checks (or writes) its
 trace and every rank reports the same verdict."""
 
 from __future__ import annotations

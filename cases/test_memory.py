@@ -1,6 +1,7 @@
 """Memory (CUDA): right after the last forward of the final step, allocated memory is lower than
 the baseline's by the bytes the in-flight offloaded groups free (allocator rounding allowed);
-the step's peak is not above the baseline's. Decided by ``harness.judge`` (check ``memory``)."""
+the step's peak is not above the baseline's. Decided by ``harness.verify.judge`` (check
+``memory``)."""
 
 from __future__ import annotations
 

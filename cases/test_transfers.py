@@ -1,11 +1,12 @@
 """Transfer counts and bytes per group, from the profiler, in the final (steady-state) step.
 
-The expectation comes from ``harness.predict`` (saved tensors recorded by the hooks baseline,
+The expectation comes from ``harness.execute.predict`` (saved tensors recorded by the hooks
+baseline,
 the selection and the policies), never from the offloader's own log; the log must then agree
 with the profiler. A run with the offloader disabled must copy nothing; no copy may use
 pageable host memory; only selected groups may move; no weight may ever be copied out.
 No reload may be issued earlier than the prefetch rule allows (``cadence``). Decided by
-``harness.judge`` (checks ``transfers``, ``disabled``, ``fidelity``, ``weights`` and
+``harness.verify.judge`` (checks ``transfers``, ``disabled``, ``fidelity``, ``weights`` and
 ``cadence``)."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from harness.cases import Case, model_spec
 from harness.offload.backends import resolve_backend
 from harness.offload.config import OffloadConfig
 from harness.offload.reference import OffloadContext, RaceDelays
-from harness.spec import ModelSpec, RunSpec, parse_pattern, preset
+from harness.vocab.spec import ModelSpec, RunSpec, parse_pattern, preset
 
 BAD_INPUTS: list[tuple[str, Callable[[], object], str]] = [
     ("empty pattern", lambda: parse_pattern(""), "non-empty"),
@@ -84,7 +84,11 @@ BAD_INPUTS: list[tuple[str, Callable[[], object], str]] = [
     ),
     ("unknown backend", lambda: resolve_backend("megatron"), "unknown backend"),
     ("backend module missing", lambda: resolve_backend("no_such_mod:make"), "cannot import"),
-    ("backend attribute missing", lambda: resolve_backend("harness.spec:nothing"), "no callable"),
+    (
+        "backend attribute missing",
+        lambda: resolve_backend("harness.vocab.spec:nothing"),
+        "no callable",
+    ),
     (
         "race delays on CPU",
         lambda: OffloadContext(

@@ -22,12 +22,12 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from harness.impls import IMPLS
 from harness.offload.config import OffloadConfig
-from harness.spec import INTERLEAVED_CHUNKS, PRESETS, SHARDINGS, ModelSpec, RunSpec, preset
+from harness.vocab.impls import IMPLS
+from harness.vocab.spec import INTERLEAVED_CHUNKS, PRESETS, SHARDINGS, ModelSpec, RunSpec, preset
 
 _PRESETS = {(p.family, p.size): name for name, p in PRESETS.items()}
-"""(family, size) -> preset name (``harness.spec.PRESETS``)."""
+"""(family, size) -> preset name (``harness.vocab.spec.PRESETS``)."""
 FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(family for family, _ in _PRESETS))
 """Case families, in table order."""
 MODEL_SIZES: tuple[str, ...] = tuple(dict.fromkeys(size for _, size in _PRESETS))
@@ -354,7 +354,7 @@ PIPELINE_ROWS: tuple[Case, ...] = (
         description="every attention group under the interleaved schedule, 3 microbatch groups",
     ),
 )
-"""Rows of the ``interleaved`` schedule (``harness.train.interleaved_order``): the default
+"""Rows of the ``interleaved`` schedule (``harness.models.train.interleaved_order``): the default
 matrix has the first, the full one all."""
 
 

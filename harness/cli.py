@@ -28,26 +28,22 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from harness import settings
-from harness.bytecode import missing_bytecode
 from harness.cases import (
     MATRICES,
     Case,
     find_case,
     matrix,
 )
-from harness.environment import Environment
-from harness.html import render_index
-from harness.impls import family_impl, impl_unavailable
-from harness.judge import judge
+from harness.diagnose.repro import ReproSpec, reproduce
+from harness.execute.environment import Environment
 from harness.offload.backends import (
     backend_names,
     backend_unavailable,
     describe,
 )
-from harness.parallel import threads_per_worker
-from harness.plots import preload_plotting
-from harness.report import (
+from harness.reporting.html import render_index
+from harness.reporting.plots import preload_plotting
+from harness.reporting.report import (
     REPORT_INCOMPLETE,
     claim_run_folder,
     inert_reason,
@@ -58,10 +54,14 @@ from harness.report import (
     write_junit,
     write_summary,
 )
-from harness.repro import ReproSpec, reproduce
-from harness.session import run_cases
-from harness.spec import PRECISIONS, PRESETS, SCHEDULES, check_fits, parse_pattern, preset
+from harness.run import settings
+from harness.run.parallel import threads_per_worker
+from harness.run.session import run_cases
 from harness.tools import TOOLS
+from harness.util.bytecode import missing_bytecode
+from harness.verify.judge import judge
+from harness.vocab.impls import family_impl, impl_unavailable
+from harness.vocab.spec import PRECISIONS, PRESETS, SCHEDULES, check_fits, parse_pattern, preset
 
 
 class UsageError(Exception):
@@ -160,7 +160,7 @@ RUN_SETTINGS = (
     "cuda_sanitizer",
     "nvte_cpu_offload_v1",
 )
-"""Settings of every subcommand that runs cases (``harness.settings``, as in pytest)."""
+"""Settings of every subcommand that runs cases (``harness.run.settings``, as in pytest)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -294,7 +294,7 @@ def _run_one(case: Case, env: Environment, update_golden: bool = False) -> dict[
 
 
 def _environment(args: argparse.Namespace) -> Environment:
-    """The run's settings (``harness.settings``, as pytest resolves them) as an environment.
+    """The run's settings (``harness.run.settings``, as pytest resolves them) as an environment.
     With ``--case``, megatron-core's rows default to megatron-core's offloader."""
     impl = None
     custom = [f for f in ("pattern", "offload", "preset") if getattr(args, f, None)]

@@ -1,5 +1,5 @@
 """The ``offload-harness`` console script and ``python -m harness``: for ``run``, the worker
-pool's forkserver starts before the CLI imports torch (``harness.forkserver``); then the CLI;
+pool's forkserver starts before the CLI imports torch (``harness.run.forkserver``); then the CLI;
 last, whatever happened, the forkserver (if one was started) is killed, and a thread left
 running in this process (a backend's, started when its probe built it) is named and not
 waited for: the command ends when its work does."""
@@ -11,7 +11,7 @@ import sys
 
 
 def main() -> int:
-    from harness import forkserver
+    from harness.run import forkserver
 
     try:
         if sys.argv[1:2] == ["run"]:
@@ -28,7 +28,7 @@ def main() -> int:
 def _leave_stray_threads(code: int) -> None:
     """Exit now with ``code`` when a non-daemon thread outlives ``leftovers.GRACE_S``: the
     interpreter would join it at exit, forever if it never ends."""
-    from harness import leftovers
+    from harness.util import leftovers
 
     alive = [repr(t.name) for t in leftovers.stray_threads()]
     if not alive:

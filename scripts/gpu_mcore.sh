@@ -56,7 +56,8 @@ section repro "${T_REPRO:-120}" python3 -m harness repro --case "$SEED" --backen
 if [[ " $SECTIONS " == *" golden-new "* ]]; then
   mapfile -t NEW < <(python3 - <<'PY'
 import torch
-from harness import fingerprint, golden
+from harness.measure import fingerprint
+from harness.verify import golden
 from harness.cases import MCORE_ROWS
 here = fingerprint.of(torch.device("cuda"))
 root = golden.golden_root()

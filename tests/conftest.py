@@ -1,5 +1,5 @@
 """The harness's own tests: each starts without a shared plain baseline, so a test that patches
-how a run trains never reuses another test's (``harness.baselines.plain_baseline``).
+how a run trains never reuses another test's (``harness.execute.baselines.plain_baseline``).
 
 Each test also runs with ``OFFLOAD_HARNESS_PLOTS=0``, and so do the CLI runs and inner pytest
 sessions it starts: their reports are read through ``summary.json`` and ``junit.xml``, and
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.baselines import forget_plain_baselines
-from harness.settings import PLOTS_VARIABLE
+from harness.execute.baselines import forget_plain_baselines
+from harness.run.settings import PLOTS_VARIABLE
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from harness import timeline
+from harness.measure import timeline
 from harness.offload.config import OffloadConfig
 from harness.tools.bench import driver, main, trace
 from harness.tools.bench.cli import parser
@@ -187,7 +187,7 @@ def test_bad_input_is_one_line(
 
 
 def test_device_defaults_to_auto() -> None:
-    """``--device`` is the shared setting (``harness.settings.resolve_device``): ``auto`` picks
+    """``--device`` is the shared setting (``harness.run.settings.resolve_device``): ``auto`` picks
     cuda when one is visible, else cpu (where the default model is the smoke test's)."""
     assert parser().parse_args([]).device == "auto"
 
@@ -281,7 +281,7 @@ def test_breakdown_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_trace_timeline_of_a_device_trace(tmp_path: Path) -> None:
-    """A trace with device events: its ``harness.timeline`` figures and summary line (the
+    """A trace with device events: its ``harness.measure.timeline`` figures and summary line (the
     figures themselves: tests/test_timeline.py); an unreadable one: why, in one line."""
     kernel = {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 0, "dur": 100}
     copy = {**kernel, "cat": "gpu_memcpy", "name": "Memcpy DtoH", "tid": 9, "dur": 50}

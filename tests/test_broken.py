@@ -15,9 +15,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from harness import detection
 from harness.cases import default_matrix
 from harness.models.hybrid import build_model, make_batches
+from harness.models.train import TrainResult, train
 from harness.offload import broken
 from harness.offload.backends import (
     DEFAULT_RACE_DELAYS,
@@ -35,8 +35,8 @@ from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Capabilities, IterationLog, declare
 from harness.offload.reference import OffloadContext, RaceDelays
 from harness.offload.semantics import MEGATRON_MAIN
-from harness.spec import RunSpec, preset
-from harness.train import TrainResult, train
+from harness.verify import detection
+from harness.vocab.spec import RunSpec, preset
 
 CPU = torch.device("cpu")
 SEED_NAMES = ("core_attn", "attn_proj")
@@ -164,7 +164,7 @@ def test_capability_records() -> None:
     assert backend_unavailable(f"{__name__}:_declared+delays", CPU) == "not on cpu"
     with pytest.raises(ValueError, match=r"not a harness\.offload\.protocol\.Capabilities"):
         resolve_backend(f"{__name__}:_malformed")
-    with pytest.raises(ValueError, match=r"not a harness\.predict\.Semantics"):
+    with pytest.raises(ValueError, match=r"not a harness\.offload\.semantics\.Semantics"):
         resolve_backend(f"{__name__}:_wrong_semantics")
 
 
@@ -328,9 +328,9 @@ def test_middle_step_bugs_are_seen_only_by_the_every_step_checks(
 ) -> None:
     """The final step and the warmup are right, so the final-step counts, the final-step log
     and the offload proof see nothing; only the checks of every step name the step."""
-    from harness.detection import SEED
-    from harness.environment import Environment
-    from harness.execute import run_case
+    from harness.execute.environment import Environment
+    from harness.execute.steps import run_case
+    from harness.verify.detection import SEED
 
     res = run_case(SEED, Environment(device=torch.device("cpu"), backend=backend))
     assert res.mismatches() == [] and res.log_mismatches() == [] and not res.proof_problems

@@ -1,4 +1,4 @@
-"""``harness.bytecode``: the note for an interpreter that compiles torch at every start, and
+"""``harness.util.bytecode``: the note for an interpreter that compiles torch at every start, and
 where it is shown (the pytest session's console, ``run``'s first line); ``-n auto`` on CUDA."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from types import ModuleType
 import pytest
 import torch
 
-from harness import settings
-from harness.bytecode import missing_bytecode
 from harness.plugin import workers
+from harness.run import settings
+from harness.util.bytecode import missing_bytecode
 
 pytest_plugins = ["pytester"]
 
@@ -63,7 +63,7 @@ def test_the_pytest_console_shows_the_note_even_under_q(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(
-        "harness.bytecode.missing_bytecode", lambda module: f"NOTE {module.__name__}"
+        "harness.util.bytecode.missing_bytecode", lambda module: f"NOTE {module.__name__}"
     )
     pytester.makepyfile(test_plain="def test_ok():\n    pass\n")
     done = pytester.runpytest_inprocess(
@@ -82,7 +82,7 @@ def test_n_auto_on_cuda_starts_runs_default_workers(
             return device if name == "device" else default
 
     monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
-    monkeypatch.setattr("harness.settings.usable_cores", lambda: 16)
+    monkeypatch.setattr("harness.run.settings.usable_cores", lambda: 16)
     monkeypatch.setattr(
         settings, "resolve_device", lambda text: torch.device(text, 0 if text == "cuda" else None)
     )

@@ -1,4 +1,4 @@
-"""The cadence check (``harness.cadence``): hand-built backward orders with hand-derived
+"""The cadence check (``harness.execute.cadence``): hand-built backward orders with hand-derived
 expectations, the marks a real run leaves, and the pool-cap and inert rows end to end.
 
 Keys are (pass, layer, name); an order is a list of ``Event``s as ``step_events`` builds them
@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.backwardpeak import BackwardReading, backward_problems, block
-from harness.cadence import (
+from harness.cases import CADENCE_ROWS, SEED_CASE
+from harness.execute.backwardpeak import BackwardReading, backward_problems, block
+from harness.execute.cadence import (
     END,
     RELOAD,
     START,
@@ -23,11 +24,10 @@ from harness.cadence import (
     megatron_allowed,
     step_events,
 )
-from harness.cases import CADENCE_ROWS, SEED_CASE
-from harness.copyobserver import Copy, Observed
-from harness.environment import Environment
-from harness.judge import judge
+from harness.execute.environment import Environment
+from harness.measure.copyobserver import Copy, Observed
 from harness.offload.semantics import Semantics
+from harness.verify.judge import judge
 
 CPU = torch.device("cpu")
 A, B, C, D = ((0, layer, "core_attn") for layer in range(4))

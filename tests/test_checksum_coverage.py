@@ -1,10 +1,10 @@
-"""Checksum coverage is reported and required (``harness.checks.checksum_gap``): a run that moved
-tensors but could checksum none of them says so in the equivalence check's reason, never a
+"""Checksum coverage is reported and required (``harness.verify.checks.checksum_gap``): a run that
+moved tensors but could checksum none of them says so in the equivalence check's reason, never a
 silent pass; a run that compared its reloads, or moved nothing, has no such reason."""
 
 from __future__ import annotations
 
-from harness.checks import checksum_gap
+from harness.verify.checks import checksum_gap
 
 
 def test_no_checksum_taken_of_moved_tensors_is_a_visible_skip_reason() -> None:

@@ -354,16 +354,16 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     ],
 )
 def test_jobs(jobs: int | None, device: str, cases: int, expected: int) -> None:
-    from harness.settings import resolve_jobs
+    from harness.run.settings import resolve_jobs
 
     where = torch.device(device, 0 if device == "cuda" else None)
     assert resolve_jobs(jobs, where, cases) == expected
 
 
 def test_jobs_default_on_cpu_is_one_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    from harness.settings import resolve_jobs
+    from harness.run.settings import resolve_jobs
 
-    monkeypatch.setattr("harness.settings.usable_cores", lambda: 16)
+    monkeypatch.setattr("harness.run.settings.usable_cores", lambda: 16)
     assert resolve_jobs(None, torch.device("cpu"), 21) == 16
     assert resolve_jobs(None, torch.device("cpu"), 5) == 5
 
@@ -372,8 +372,8 @@ def test_jobs_default_on_cpu_is_one_per_core(monkeypatch: pytest.MonkeyPatch) ->
 def test_jobs_and_threads_follow_the_cpu_affinity() -> None:
     """A process confined to one core (``taskset -c N``, a cpuset) gets one worker and one
     thread per worker, however many cores the machine has."""
-    from harness.parallel import threads_per_worker
-    from harness.settings import default_jobs, usable_cores
+    from harness.run.parallel import threads_per_worker
+    from harness.run.settings import default_jobs, usable_cores
 
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(before)})
@@ -392,11 +392,11 @@ def test_jobs_and_threads_follow_the_cpu_affinity() -> None:
 def test_jobs_default_on_cuda_is_three_per_four_cores_up_to_12(
     cores: int, cases: int, expected: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from harness.settings import resolve_jobs
+    from harness.run.settings import resolve_jobs
 
-    monkeypatch.setattr("harness.settings.usable_cores", lambda: cores)
+    monkeypatch.setattr("harness.run.settings.usable_cores", lambda: cores)
     assert resolve_jobs(None, torch.device("cuda", 0), cases) == expected
-    monkeypatch.setattr("harness.settings.usable_cores", lambda: 1)
+    monkeypatch.setattr("harness.run.settings.usable_cores", lambda: 1)
     assert resolve_jobs(None, torch.device("cuda", 0), cases) == 1
 
 
@@ -410,7 +410,7 @@ def test_run_on_cuda_takes_jobs_without_initialising_cuda(
     import harness.cli
 
     _fake_cuda(monkeypatch)
-    monkeypatch.setattr("harness.settings.usable_cores", lambda: 16)
+    monkeypatch.setattr("harness.run.settings.usable_cores", lambda: 16)
     seen: dict[str, Any] = {}
 
     def run_cases(cases: list[Any], env: Any, *, jobs: int, **kwargs: Any) -> None:
@@ -440,7 +440,7 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
     initialiser gets the jobs, the parent's device and what the worker inherits; the initialiser
     gives each worker cpu_count // jobs threads and makes that device current."""
     import harness.cli
-    import harness.parallel
+    import harness.run.parallel
 
     _fake_cuda(monkeypatch)
     device = torch.device("cuda", 0)
@@ -463,12 +463,12 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
             future.set_result(fn(*args))
             return future
 
-    import harness.session
+    import harness.run.session
 
-    monkeypatch.setattr(harness.parallel, "ProcessPoolExecutor", Pool)
-    monkeypatch.setattr(harness.session, "as_completed", lambda futures: list(futures))
+    monkeypatch.setattr(harness.run.parallel, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(harness.run.session, "as_completed", lambda futures: list(futures))
     monkeypatch.setattr(
-        harness.session,
+        harness.run.session,
         "run_case",
         lambda case, env, update, timeout, dump: ({"verdict": case.name}, 0.5),
     )
@@ -476,7 +476,7 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
     env = harness.cli.Environment(device=device, backend="reference", model_size="small")
     cases = default_matrix()[:5]
     records: dict[int, Any] = {}
-    status = harness.session.run_cases(
+    status = harness.run.session.run_cases(
         cases,
         env,
         jobs=4,
@@ -488,7 +488,7 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
     assert [records[i]["verdict"] for i in range(5)] == [c.name for c in cases]
     (pool,) = pools
     assert pool["jobs"] == 4 and pool["mp_context"].get_start_method() == "forkserver"
-    assert pool["initializer"] is harness.parallel.use_share
+    assert pool["initializer"] is harness.run.parallel.use_share
     assert pool["initargs"][:2] == (4, device)
     inherited = pool["initargs"][2]
     assert inherited.cwd == os.getcwd() and inherited.path == sys.path
@@ -498,10 +498,10 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
     devices: list[torch.device] = []
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
-    monkeypatch.setattr("harness.parallel.usable_cores", lambda: 16)
-    harness.parallel.use_share(*pool["initargs"])
-    harness.parallel.use_share(4, torch.device("cpu"))
-    harness.parallel.use_share(32)
+    monkeypatch.setattr("harness.run.parallel.usable_cores", lambda: 16)
+    harness.run.parallel.use_share(*pool["initargs"])
+    harness.run.parallel.use_share(4, torch.device("cpu"))
+    harness.run.parallel.use_share(32)
     assert threads == [4, 4, 1] and devices == [device]
 
 
@@ -533,7 +533,7 @@ def test_mutation_score_jobs_on_cuda(
     pretends to have, at most 12) and reaches ``repeat_correct`` with the device the workers
     use; the parent never initialises CUDA."""
     _fake_cuda(monkeypatch)
-    monkeypatch.setattr("harness.settings.usable_cores", lambda: 16)
+    monkeypatch.setattr("harness.run.settings.usable_cores", lambda: 16)
     seen: list[tuple[Any, ...]] = []
     monkeypatch.setattr(mutation_score, "repeat_correct", lambda *args: seen.append(args) or 0)
     assert mutation_score.main([*argv, "--repeat-correct", "20"]) == 0

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from harness.compare import first_divergence, first_tensor_difference, losses_match, ulps, verdict
+from harness.util.compare import (
+    first_divergence,
+    first_tensor_difference,
+    losses_match,
+    ulps,
+    verdict,
+)
 
 PLAIN = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
 

@@ -1,10 +1,10 @@
 """Detection power: the correct offloader passes every catcher case of the catalogue, and every
 broken offloader of the catalogue (``harness.offload.broken``, its catchers in
-``harness.detection``) fails one of its own catcher cases with a message naming the step, the
+``harness.verify.detection``) fails one of its own catcher cases with a message naming the step, the
 microbatch and the group.
 
 In process, through the judge. The catalogue's cases run in this process through
-``harness.judge.judge``: the one judge that decides every check for pytest's case files
+``harness.verify.judge.judge``: the one judge that decides every check for pytest's case files
 (``cases/``, through the plugin's ``case_check``), for ``offload-harness run`` and for mutation
 scoring, so a case the judge fails here is a case test that fails under pytest and a case that
 ``run`` reports failed (``tests/test_judge.py::test_pytest_and_run_decide_every_check_alike``
@@ -29,8 +29,8 @@ process's share of the cores: one with all the cores' threads spins against the 
 workers and runs many times slower.
 
 Shared and left behind. The in-process tests share this process's plain baseline
-(``harness.baselines.plain_baseline``, one key at a time): the plain run has no offloader, so it
-is the same for every backend, and ``offload-harness run`` and ``scripts/mutation_score``
+(``harness.execute.baselines.plain_baseline``, one key at a time): the plain run has no offloader,
+so it is the same for every backend, and ``offload-harness run`` and ``scripts/mutation_score``
 share it between backends alike. So this module overrides ``tests/conftest.py``'s per-test
 ``forget_plain_baselines`` (nothing here patches how a run trains, and every other test of
 ``tests/`` forgets the baseline before and after itself), orders the entries and the control's
@@ -56,17 +56,17 @@ import torch
 import warm
 from child_pytest import CHILD_OPTIONS
 
-from harness.baselines import sharing_key
 from harness.cases import Case
-from harness.detection import CATALOGUE, BrokenBackend, entry
-from harness.environment import Environment
-from harness.judge import CASE_TESTS, CHECKS, judge
+from harness.execute.baselines import sharing_key
+from harness.execute.environment import Environment
 from harness.offload.backends import with_delays
 from harness.offload.broken import NO_DELAYS
 from harness.offload.reference import RaceDelays
-from harness.parallel import threads_per_worker
 from harness.plugin.options import SETTINGS, Settings
-from harness.spec import ALL_GROUP_NAMES
+from harness.run.parallel import threads_per_worker
+from harness.verify.detection import CATALOGUE, BrokenBackend, entry
+from harness.verify.judge import CASE_TESTS, CHECKS, judge
+from harness.vocab.spec import ALL_GROUP_NAMES
 
 pytest_plugins = ["pytester"]
 

@@ -1,4 +1,4 @@
-"""``harness.distributed`` and the process-group plugin (``harness.plugin.dist``).
+"""``harness.util.distributed`` and the process-group plugin (``harness.plugin.dist``).
 
 * the helpers without a group (world size 1) and across two spawned gloo ranks that rendezvous on
   a ``FileStore`` in a temporary folder (no port);
@@ -27,10 +27,10 @@ import torch.multiprocessing as mp
 import warm
 from child_pytest import pytest_command, torchrun_pytest_command
 
-from harness import distributed
 from harness.cases import SEED_CASE, Case
 from harness.plugin.cases import skip_reason
 from harness.plugin.dist import collection_difference
+from harness.util import distributed
 
 pytest_plugins = ["pytester"]
 
@@ -254,7 +254,7 @@ def test_xdist_with_torchrun_world_is_refused(pytester: pytest.Pytester) -> None
 
 
 RANK_TESTS = """
-from harness import distributed
+from harness.util import distributed
 
 
 def test_rank_one_fails():
@@ -341,7 +341,7 @@ def _rank_logs(folder: Path) -> dict[str, str]:
 HANG_ON_RANK_ONE = """
 import time
 
-from harness import distributed
+from harness.util import distributed
 
 
 def test_passes_first():
@@ -394,7 +394,7 @@ def test_torchrun_hang_on_one_rank_fails_that_test_and_the_session_goes_on(
 STUCK_IN_A_COLLECTIVE = """
 import time
 
-from harness import distributed
+from harness.util import distributed
 
 
 def test_passes_first():
@@ -458,7 +458,7 @@ KILLED_RANK = """
 import os
 import signal
 
-from harness import distributed
+from harness.util import distributed
 
 
 def test_passes_first():

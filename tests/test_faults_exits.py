@@ -313,8 +313,8 @@ def _judged(backend: str) -> dict[str, Any]:
     import torch
 
     from harness.cases import find_case
-    from harness.environment import Environment
-    from harness.judge import judge
+    from harness.execute.environment import Environment
+    from harness.verify.judge import judge
 
     env = Environment(device=torch.device("cpu"), backend=f"offloaders:{backend}")
     return judge(find_case(CASE), env).record()
@@ -355,7 +355,7 @@ def test_a_backend_that_changes_global_state_is_named_not_a_graph_change() -> No
 def test_the_global_state_guard_names_and_restores_every_setting() -> None:
     import torch
 
-    from harness import globalstate
+    from harness.util import globalstate
 
     before = globalstate.snapshot()
     with pytest.raises(globalstate.GlobalStateChanged) as caught:

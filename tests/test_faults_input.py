@@ -1,7 +1,7 @@
 """Bad input is refused before any training, as one line: a backend module that raises at import
 (any exception, a ``SyntaxError`` too), a factory that raises or returns something other than an
-``Offloader`` (``harness.offload.backends.probe_backend``, called by ``harness.settings``),
-``+delays`` without CUDA, and step/microbatch counts beyond ``harness.spec``'s ceilings or the
+``Offloader`` (``harness.offload.backends.probe_backend``, called by ``harness.run.settings``),
+``+delays`` without CUDA, and step/microbatch counts beyond ``harness.vocab.spec``'s ceilings or the
 machine's memory (``check_fits``).
 
 Each probe runs through ``offload-harness run`` (exit 2, one stderr line, nothing trained) and,
@@ -21,11 +21,13 @@ from typing import Any
 import pytest
 import torch
 
-from harness import cli, globalstate, settings
+from harness import cli
 from harness.cases import Case
 from harness.models.hybrid import make_batches
 from harness.offload import backends
-from harness.spec import (
+from harness.run import settings
+from harness.util import globalstate
+from harness.vocab.spec import (
     MAX_MICROBATCHES,
     MAX_STEPS,
     RunSpec,
@@ -163,7 +165,7 @@ def trained(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         calls.append(args)
         raise AssertionError("trained although the input is bad")
 
-    monkeypatch.setattr("harness.train.train_harness", refuse)
+    monkeypatch.setattr("harness.models.train.train_harness", refuse)
     return calls
 
 
@@ -480,10 +482,10 @@ def test_check_fits_reads_the_machine_and_skips_when_unknown(
     available = available_memory()
     if Path("/proc/meminfo").is_file():
         assert available is not None and available > 0
-    monkeypatch.setattr("harness.spec.available_memory", lambda: 1000)
+    monkeypatch.setattr("harness.vocab.spec.available_memory", lambda: 1000)
     with pytest.raises(ValueError, match=r"this machine has 1\.0 kB available"):
         check_fits(preset("hybrid-tiny"), RunSpec())
-    monkeypatch.setattr("harness.spec.available_memory", lambda: None)
+    monkeypatch.setattr("harness.vocab.spec.available_memory", lambda: None)
     check_fits(preset("hybrid-tiny"), RunSpec(steps=MAX_STEPS, microbatches=MAX_MICROBATCHES))
 
 
@@ -491,7 +493,7 @@ def test_cli_refuses_a_run_that_cannot_fit_before_training(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from harness import cli
-    from harness.spec import available_memory
+    from harness.vocab.spec import available_memory
 
     free = available_memory()
     if free is None or free > 500e9:

@@ -19,13 +19,11 @@ from typing import Any
 import pytest
 import torch
 
-import harness.report as report
+import harness.reporting.report as report
 from harness.cases import Case, default_matrix
-from harness.checks import repro_hint
 from harness.cli import _parser, _repro_spec
-from harness.commands import table_row
-from harness.environment import Environment
-from harness.report import (
+from harness.execute.environment import Environment
+from harness.reporting.report import (
     ReportDirError,
     claim_run_folder,
     commit_info,
@@ -34,6 +32,8 @@ from harness.report import (
     summary_text,
     write_summary,
 )
+from harness.verify.checks import repro_hint
+from harness.verify.commands import table_row
 
 pytest_plugins = ["pytester"]
 
@@ -232,7 +232,7 @@ def test_pytest_usage_error_elsewhere_leaves_no_empty_folder(pytester: pytest.Py
 def test_judge_gives_the_hint_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """``judge._equivalence`` passes the run's environment to ``equivalence_problems`` (runs
     stubbed: no training)."""
-    import harness.judge as judge
+    import harness.verify.judge as judge
 
     seen: list[Any] = []
     monkeypatch.setattr(judge, "equivalence_problems", lambda *args: seen.append(args) or [])

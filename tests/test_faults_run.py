@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import warm
 
-from harness import session
 from harness.cases import Case, matrix
-from harness.environment import Environment
+from harness.execute.environment import Environment
+from harness.run import session
 
 FAULTY = '''
 import os, time

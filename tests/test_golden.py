@@ -1,5 +1,5 @@
-"""Golden loss traces (``harness.golden``) keyed by the numerics fingerprint
-(``harness.fingerprint``): the fingerprint's fields and key, variants and paths, the text
+"""Golden loss traces (``harness.verify.golden``) keyed by the numerics fingerprint
+(``harness.measure.fingerprint``): the fingerprint's fields and key, variants and paths, the text
 format's exact round trip, the bitwise check (match, one-ULP drift naming the machines'
 differences, shape change, missing, malformed, traces recorded before fingerprints), the
 committed files, and two end-to-end checks of the verdict's portability and teeth: a forced
@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 import torch
 
-from harness import fingerprint, golden
 from harness.cases import default_matrix, find_case, matrix
-from harness.fingerprint import UNKNOWN, Fingerprint
+from harness.measure import fingerprint
+from harness.measure.fingerprint import UNKNOWN, Fingerprint
 from harness.models import layers
+from harness.verify import golden
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -296,8 +297,8 @@ def _native(name: str) -> dict[str, Any]:
     """This machine's fingerprint and the case's plain losses (as ``summary.json`` lists them),
     trained here on one intra-op thread: what ``_run_cli`` reports with ``OMP_NUM_THREADS=1``
     and nothing forced, without an interpreter and a worker process of its own."""
-    from harness.baselines import plain_baseline
-    from harness.environment import Environment
+    from harness.execute.baselines import plain_baseline
+    from harness.execute.environment import Environment
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -375,9 +376,9 @@ def test_changed_model_fails_on_its_own_fingerprint(
     """The check keeps its teeth: a trace recorded here, then the same case with one extra op
     in the MLP (a scale by 1 + 2^-8), on the same fingerprint, is a mismatch that calls it a
     real numerics change."""
-    from harness.environment import Environment
+    from harness.execute.environment import Environment
+    from harness.models.train import train
     from harness.offload.passthrough import NoOffload
-    from harness.train import train
 
     case, env = find_case(BF16_CASE), Environment(device=torch.device("cpu"))
     here = fingerprint.of(env.device)

@@ -10,10 +10,10 @@ from types import ModuleType
 
 import pytest
 
+from harness.models.train import train
 from harness.offload.config import OffloadConfig
 from harness.offload.reference import OffloadContext
-from harness.spec import RunSpec
-from harness.train import train
+from harness.vocab.spec import RunSpec
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""``harness.hostclock``: the host time inside an offloader's entry points, on CPU (the windows
-are the sync guard's, so the same coverage holds on CUDA)."""
+"""``harness.measure.hostclock``: the host time inside an offloader's entry points, on CPU (the
+windows are the sync guard's, so the same coverage holds on CUDA)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from harness.hostclock import (
+from harness.measure.hostclock import (
     ALLOCATOR_COUNTERS,
     KINDS,
     HostClock,
@@ -21,7 +21,7 @@ from harness.hostclock import (
 from harness.offload.config import OffloadConfig
 from harness.offload.protocol import Group, Offloader, Output, Wrapper
 from harness.offload.reference import OffloadContext
-from harness.spec import RunSpec, preset
+from harness.vocab.spec import RunSpec, preset
 
 CPU = torch.device("cpu")
 SPEC = preset("hybrid-tiny")

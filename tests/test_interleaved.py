@@ -7,12 +7,12 @@ import torch
 
 from harness.cases import PIPELINE_ROWS, Case, default_matrix
 from harness.models.hybrid import seeded_model
+from harness.models.train import interleaved_order, pass_of, schedule_order, train
 from harness.offload.broken import ChunkOrder
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Wrapper
 from harness.offload.reference import OffloadContext
-from harness.spec import RunSpec, chunk_layers
-from harness.train import interleaved_order, pass_of, schedule_order, train
+from harness.vocab.spec import RunSpec, chunk_layers
 
 SEED_INTERLEAVED = PIPELINE_ROWS[0]
 
@@ -166,8 +166,8 @@ def test_a_gated_activation_reloads_its_storage_twice() -> None:
     memory case counts the second copy against the drop when the group is reloaded ahead of
     its backward, as the interleaved schedule does before its last forward (measured on the
     H200: 40 MiB blocks, 12 in the offload run where the drop without it predicted 11)."""
+    from harness.execute.predict import redundant_reload_bytes, redundant_reload_sizes
     from harness.offload.recorder import RecordingOffloader
-    from harness.predict import redundant_reload_bytes, redundant_reload_sizes
 
     case = PIPELINE_ROWS[1]
     recorder = RecordingOffloader(case.offload_config(), "cpu")
@@ -193,9 +193,9 @@ def test_a_tensor_saved_twice_reloads_as_two_allocations() -> None:
     """qkv_linear saves the normed input once per projection that reads it: one storage, two
     copies, so a reload of the group allocates it twice (what the memory case predicts for a
     group reloaded ahead of its backward)."""
+    from harness.execute.predict import reload_sizes
     from harness.offload.recorder import RecordingOffloader
     from harness.offload.semantics import eligible
-    from harness.predict import reload_sizes
 
     case = PIPELINE_ROWS[2]
     config = case.offload_config()
@@ -211,8 +211,8 @@ def test_a_tensor_saved_twice_reloads_as_two_allocations() -> None:
 def test_an_offload_that_moves_nothing_is_named_by_pass_and_chunk() -> None:
     """The offload proof covers every pass of every model chunk, each named by its microbatch
     and chunk: ``broken.noop`` fails it for each of the 8 passes and both selected names."""
-    from harness.environment import Environment
-    from harness.judge import judge
+    from harness.execute.environment import Environment
+    from harness.verify.judge import judge
 
     env = Environment(device=torch.device("cpu"), backend="broken.noop")
     outcome = judge(SEED_INTERLEAVED, env, checks=("equivalence",)).first_failure()

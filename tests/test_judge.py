@@ -1,4 +1,4 @@
-"""The one judge (``harness.judge``): outcomes and verdicts, and the proof that pytest's case
+"""The one judge (``harness.verify.judge``): outcomes and verdicts, and the proof that pytest's case
 files and ``offload-harness run`` decide every check of a case identically (on one case, with a
 broken offloader and with the correct one: pytest in a subprocess, ``run`` in this process
 through its ``main``, as ``tests/test_cli.py`` runs it; its cases run in worker processes
@@ -17,8 +17,8 @@ import warm
 from child_pytest import pytest_command
 
 from harness.cases import find_case
-from harness.judge import CASE_TESTS, CHECKS, CheckOutcome, Judgement
-from harness.report import CHECK_COLUMNS
+from harness.reporting.report import CHECK_COLUMNS
+from harness.verify.judge import CASE_TESTS, CHECKS, CheckOutcome, Judgement
 
 REPO = Path(__file__).resolve().parents[1]
 CASE = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
@@ -54,10 +54,10 @@ def test_update_golden_is_updated_not_pass(tmp_path: Path, monkeypatch: pytest.M
     skipped; the next comparison with that trace passes."""
     import torch
 
-    from harness import golden
-    from harness.environment import Environment
-    from harness.judge import CaseRuns, check
-    from harness.report import verdict_table, write_junit
+    from harness.execute.environment import Environment
+    from harness.reporting.report import verdict_table, write_junit
+    from harness.verify import golden
+    from harness.verify.judge import CaseRuns, check
 
     case = find_case(CASE)
     monkeypatch.setenv(golden.ROOT_VARIABLE, str(tmp_path))

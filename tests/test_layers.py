@@ -34,20 +34,20 @@ REPORTING_USERS = ORDER[ORDER.index("verify") :]
 _VOCABULARY = (
     # the tables every layer reads, and utilities that import no other harness module
     "harness",
-    "harness.groups",
-    "harness.impls",
-    "harness.spec",
-    "harness.distributed",
-    "harness.progress",
-    "harness.globalstate",
-    "harness.lifeline",
-    "harness.forkserver",
-    "harness.forkserver_guard",
-    "harness.leftovers",
-    "harness.sanitizer",
-    "harness.bytecode",
-    "harness.compare",
-    "harness.fingerprint",
+    "harness.vocab.groups",
+    "harness.vocab.impls",
+    "harness.vocab.spec",
+    "harness.util.distributed",
+    "harness.util.progress",
+    "harness.util.globalstate",
+    "harness.run.lifeline",
+    "harness.run.forkserver",
+    "harness.run.forkserver_guard",
+    "harness.util.leftovers",
+    "harness.util.sanitizer",
+    "harness.util.bytecode",
+    "harness.util.compare",
+    "harness.measure.fingerprint",
 )
 _OFFLOAD = (
     "harness.offload",
@@ -80,38 +80,38 @@ _MODELS = (
     "harness.models.mcore.config",
     "harness.models.mcore.loop",
     "harness.models.mcore.sharding",
-    "harness.runs",
-    "harness.train",
+    "harness.models.runs",
+    "harness.models.train",
 )
 _MEASURE = (
     "harness.cases",  # the case table: what a run measures
     "harness.execute",
-    "harness.environment",  # where and with what a case runs
-    "harness.attribution",
-    "harness.baselines",  # the plain baseline and memory reading rows share
-    "harness.caserun",
-    "harness.memory",  # the memory case's reading
-    "harness.backwardpeak",
-    "harness.observe",
-    "harness.copyobserver",
-    "harness.checksums",
-    "harness.transfers",
-    "harness.timeline",
-    "harness.predict",
-    "harness.learn",
-    "harness.cadence",
-    "harness.syncguard",
-    "harness.hostclock",
+    "harness.execute.environment",  # where and with what a case runs
+    "harness.execute.attribution",
+    "harness.execute.baselines",  # the plain baseline and memory reading rows share
+    "harness.execute.caserun",
+    "harness.execute.memory",  # the memory case's reading
+    "harness.execute.backwardpeak",
+    "harness.measure.observe",
+    "harness.measure.copyobserver",
+    "harness.measure.checksums",
+    "harness.measure.transfers",
+    "harness.measure.timeline",
+    "harness.execute.predict",
+    "harness.execute.learn",
+    "harness.execute.cadence",
+    "harness.measure.syncguard",
+    "harness.measure.hostclock",
 )
 _VERIFY = (
-    "harness.checks",
-    "harness.judge",
-    "harness.golden",
-    "harness.detection",
-    "harness.commands",
+    "harness.verify.checks",
+    "harness.verify.judge",
+    "harness.verify.golden",
+    "harness.verify.detection",
+    "harness.verify.commands",
 )
-_DIAGNOSE = ("harness.bisect", "harness.repro")
-_RUN = ("harness.session", "harness.parallel", "harness.settings")
+_DIAGNOSE = ("harness.diagnose.bisect", "harness.diagnose.repro")
+_RUN = ("harness.run.session", "harness.run.parallel", "harness.run.settings")
 _TOP = (
     "harness.__main__",
     "harness.entry",
@@ -148,7 +148,7 @@ _TOP = (
     "harness.tools.mutation_score",
     "harness.tools.nightly",
 )
-_REPORTING = ("harness.report", "harness.html", "harness.plots")
+_REPORTING = ("harness.reporting.report", "harness.reporting.html", "harness.reporting.plots")
 
 LAYER: dict[str, str] = {
     module: layer
@@ -169,11 +169,11 @@ LAYER: dict[str, str] = {
 
 ALLOWED: dict[tuple[str, str], str] = {
     # (importer, imported): why the arrow still points the wrong way
-    ("harness.models.mcore.bridge", "harness.observe"): (
+    ("harness.models.mcore.bridge", "harness.measure.observe"): (
         "a native run's wiring (_wired) hands the harness windows (isinstance Windowed) to "
         "megatron-core's manager's watcher (McoreOffloader.native), which tells them each group"
     ),
-    ("harness.html", "harness.settings"): (
+    ("harness.reporting.html", "harness.run.settings"): (
         "index.html resolves the plots setting (PLOTS_VARIABLE, resolve_plots) where it renders"
     ),
 }
@@ -281,9 +281,9 @@ def test_allowed_wrong_way_arrows_still_exist() -> None:
 @pytest.mark.parametrize(
     ("source", "package"),
     [
-        ("from harness.predict import Semantics\n", False),
+        ("from harness.execute.predict import Semantics\n", False),
         ("def rule():\n    from harness import predict\n    return predict\n", False),
-        ("import harness.predict\n", False),
+        ("import harness.execute.predict\n", False),
         ("from ..predict import skip_reason\n", False),
         ("from .. import predict\n", False),
     ],
@@ -296,24 +296,26 @@ def test_a_wrong_way_import_is_flagged(source: str, package: bool) -> None:
     layer = {**LAYER, "harness.offload.injected": "offload"}
     problems = wrong_way(sources, layer, exceptions={})
     assert problems == [
-        "harness.offload.injected (offload) imports harness.predict (measure): "
+        "harness.offload.injected (offload) imports harness.execute.predict (measure): "
         "offload may not import measure"
     ]
 
 
 def test_reporting_is_a_leaf() -> None:
     layer = {**LAYER, "harness.offload.injected": "offload", "harness.injected": REPORTING}
-    into = {"harness.offload.injected": ("from harness.report import run_folder\n", False)}
+    into = {
+        "harness.offload.injected": ("from harness.reporting.report import run_folder\n", False)
+    }
     assert wrong_way(into, layer, exceptions={}) == [
-        "harness.offload.injected (offload) imports harness.report (reporting): "
+        "harness.offload.injected (offload) imports harness.reporting.report (reporting): "
         "offload may not import reporting"
     ]
-    out = {"harness.injected": ("from harness.execute import Environment\n", False)}
+    out = {"harness.injected": ("from harness.execute.steps import Environment\n", False)}
     assert wrong_way(out, layer, exceptions={}) == [
-        "harness.injected (reporting) imports harness.execute (measure): "
+        "harness.injected (reporting) imports harness.execute.steps (measure): "
         "reporting may not import measure"
     ]
-    fine = {"harness.injected": ("from harness.spec import ModelSpec\n", False)}
+    fine = {"harness.injected": ("from harness.vocab.spec import ModelSpec\n", False)}
     assert wrong_way(fine, layer, exceptions={}) == []
 
 
@@ -325,14 +327,19 @@ def test_the_checker_reads_a_module_file(tmp_path: Path) -> None:
     (root / "__init__.py").write_text("")
     (root / "predict.py").write_text("")
     (root / "offload" / "__init__.py").write_text("")
-    (root / "offload" / "bad.py").write_text("from harness.predict import Semantics\n")
+    (root / "offload" / "bad.py").write_text("from harness.execute.predict import Semantics\n")
     sources = {
         name: (path.read_text(), path.name == "__init__.py")
         for name, path in harness_modules(root).items()
     }
-    assert set(sources) == {"harness", "harness.predict", "harness.offload", "harness.offload.bad"}
+    assert set(sources) == {
+        "harness",
+        "harness.execute.predict",
+        "harness.offload",
+        "harness.offload.bad",
+    }
     layer = {**LAYER, "harness.offload.bad": "offload"}
     assert wrong_way(sources, layer, exceptions={}) == [
-        "harness.offload.bad (offload) imports harness.predict (measure): "
+        "harness.offload.bad (offload) imports harness.execute.predict (measure): "
         "offload may not import measure"
     ]

@@ -1,4 +1,5 @@
-"""The leak check's rules on hand-built records (``harness.checks``): the harness's own pack and
+"""The leak check's rules on hand-built records (``harness.verify.checks``): the harness's own pack
+and
 unpack counts and held host memory, and the offloader's log as a cross-check whose pool must stop
 growing from the first steady step on (a pool that grows between the warmup and step 1 fails)."""
 
@@ -9,8 +10,8 @@ from types import SimpleNamespace
 import torch
 
 from harness.cases import SEED_CASE
-from harness.checks import held_problems, leak_evidence, log_leak_problems, unpacked_problems
 from harness.offload.protocol import IterationLog
+from harness.verify.checks import held_problems, leak_evidence, log_leak_problems, unpacked_problems
 
 CASE = SEED_CASE.replace(steps=4)
 KEY = (0, 2, "core_attn")

@@ -56,8 +56,8 @@ def test_te_flag_is_provided() -> None:
 @pytest.mark.gpu
 @needs_mcore
 def test_seed_model_moves_bytes_and_logs_every_iteration() -> None:
-    from harness.spec import RunSpec, preset
-    from harness.train import train
+    from harness.models.train import train
+    from harness.vocab.spec import RunSpec, preset
 
     spec = preset("hybrid-tiny")
     run = RunSpec(steps=3, microbatches=2)

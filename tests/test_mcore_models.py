@@ -36,10 +36,10 @@ from harness.models.mcore import (
     unavailable_reason,
 )
 from harness.models.mcore.loop import _graph_scope
+from harness.models.runs import Refused
 from harness.offload.config import OffloadConfig
 from harness.offload.recorder import RecordingOffloader
-from harness.runs import Refused
-from harness.spec import ModelSpec, gpt_layers
+from harness.vocab.spec import ModelSpec, gpt_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTEST = tuple(pytest_command("-q", "--report-dir", ""))
@@ -505,9 +505,9 @@ def test_sharded_parameters_are_marked_by_their_local_shard() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from harness import distributed
-    from harness.observe import CopyObserver, _WindowState
+    from harness.measure.observe import CopyObserver, _WindowState
     from harness.offload.reference import OffloadContext
+    from harness.util import distributed
 
     started = not distributed.initialized()
     distributed.ensure_process_group(torch.device("cpu"))
@@ -537,8 +537,8 @@ def test_a_refused_configuration_is_a_skipped_case_everywhere(tmp_path: Path) ->
     pass nor a failure: its verdict, the JUnit file and the check itself say skip."""
     from xml.etree import ElementTree
 
-    from harness import judge
-    from harness.report import write_junit
+    from harness.reporting.report import write_junit
+    from harness.verify import judge
 
     refused = "megatron-core 0.19.2 refuses recompute moe with this case: AssertionError: no"
     outcomes = (

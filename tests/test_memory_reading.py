@@ -1,5 +1,5 @@
-"""The memory case: its allocator readings (``harness.memory``) from synthetic snapshots, and
-its check (``harness.checks.memory_problems``) on synthetic results."""
+"""The memory case: its allocator readings (``harness.execute.memory``) from synthetic snapshots,
+and its check (``harness.verify.checks.memory_problems``) on synthetic results."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
-from harness import baselines, environment, memory
 from harness.cases import MCORE_ROWS, SEED_CASE, Case
-from harness.checks import memory_problems
-from harness.memory import MemoryResult
+from harness.execute import baselines, environment, memory
+from harness.execute.memory import MemoryResult
+from harness.verify.checks import memory_problems
 
 
 def _segment(address: int, blocks: list[tuple[int, int, str]], **extra: object) -> dict:
@@ -181,7 +181,7 @@ def test_memory_problems_name_where_unexplained_blocks_were_allocated() -> None:
 
 @pytest.mark.parametrize("floor_freed", [(0, 0), (3, 64)])
 def test_memory_record_reports_what_was_freed_from_before(floor_freed) -> None:
-    from harness.report import memory_record
+    from harness.reporting.report import memory_record
 
     record = memory_record(_result(floor_freed=floor_freed))["memory"]
     assert (record["floor_freed_blocks"], record["floor_freed_bytes"]) == floor_freed
@@ -238,8 +238,8 @@ def test_a_zero3_reading_after_runs_freed_earlier_blocks_is_not_attributable(
     """Under ZeRO-3 a reading whose runs freed blocks live before they started is a skip with the
     figures (on the H200 such readings were off by hundreds of MB with nothing to attribute);
     a clean one is judged exactly, and other shardings keep their exact judgement."""
-    from harness import judge
     from harness.cases import zero3_rows
+    from harness.verify import judge
 
     zero3 = zero3_rows(full=False)[0]
 
@@ -278,9 +278,9 @@ def test_rows_sharing_a_plain_key_read_the_baseline_memory_once(
 ) -> None:
     """The no-offload reading depends only on the plain key: the second row of a key reuses
     the first's, a row of another key reads anew (and replaces it: one entry)."""
-    from harness.baselines import plain_key
-    from harness.environment import Environment
-    from harness.train import schedule_order
+    from harness.execute.baselines import plain_key
+    from harness.execute.environment import Environment
+    from harness.models.train import schedule_order
 
     env = Environment(device=torch.device("cpu"))
     keys = _rows_by_plain_key(env)
@@ -313,9 +313,9 @@ def test_run_memory_reads_the_offload_run_against_the_shared_baseline(
     run is read, and the result names the key and the row that read the baseline."""
     import contextlib
 
-    from harness.baselines import plain_key
-    from harness.environment import Environment
-    from harness.execute import record_observations
+    from harness.execute.baselines import plain_key
+    from harness.execute.environment import Environment
+    from harness.execute.steps import record_observations
     from harness.offload.passthrough import NoOffload
 
     cpu = Environment(device=torch.device("cpu"))
@@ -355,7 +355,7 @@ def test_run_memory_reads_the_offload_run_against_the_shared_baseline(
     for res in results:
         assert (res.baseline_key, res.baseline_made_by) == (plain_key(first, cpu), first.name)
         assert (res.requested_drop, res.allocated_drop, res.rounding) == (600, 600, 48)
-    from harness.report import memory_record
+    from harness.reporting.report import memory_record
 
     baseline = memory_record(results[1])["memory"]["baseline"]
     assert baseline == {"key": plain_key(first, cpu), "made_by": first.name}

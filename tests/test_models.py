@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from harness.models.hybrid import build_model, draw_batches, make_batches, seeded_model
+from harness.models.runs import RunHooks
+from harness.models.train import TrainResult, schedule_order, train
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.recorder import RecordingOffloader
 from harness.offload.reference import OffloadContext
-from harness.runs import RunHooks
-from harness.spec import ModelSpec, RunSpec, group_template, parse_pattern, preset
-from harness.train import TrainResult, schedule_order, train
+from harness.vocab.spec import ModelSpec, RunSpec, group_template, parse_pattern, preset
 
 TINY_PRESETS = ("hybrid-tiny", "moe-tiny", "moe-tiny-fused", "hybrid-moe")
 
@@ -234,7 +234,7 @@ def test_no_layer_output_is_modified_in_place(name: str, sharding: str) -> None:
     in-place op touches it or a view of it. Under the reference offloader every offloaded
     layer's output is a view (its identity autograd function returns its input), the case in
     which FSDP2 warns that an in-place op would drop its pre-backward hook; this is why
-    ``harness.train.shard_model`` silences that warning for our models."""
+    ``harness.models.train.shard_model`` silences that warning for our models."""
     spec = preset(name)
     # every group the model opens: the norm groups commit a layer's output itself
     names = tuple(sorted({n for s in spec.layers for n in group_template(s, spec.moe_path)}))

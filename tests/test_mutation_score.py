@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import detection, fingerprint, golden
 from harness.cases import SEED_CASE
-from harness.environment import Environment
-from harness.judge import CheckOutcome, Judgement, judge
+from harness.execute.environment import Environment
+from harness.measure import fingerprint
 from harness.tools import mutation_score
+from harness.verify import detection, golden
+from harness.verify.judge import CheckOutcome, Judgement, judge
 
 CPU = torch.device("cpu")
 CORRUPT = detection.entry("broken.corrupt_reload")

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
+from harness.measure.syncguard import SyncGuard
+from harness.models.train import train
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.reference import OffloadContext, RaceDelays
-from harness.spec import RunSpec, preset
-from harness.syncguard import SyncGuard
-from harness.train import train
+from harness.vocab.spec import RunSpec, preset
 
 pytestmark = [
     pytest.mark.gpu,
@@ -154,10 +154,10 @@ def test_the_case_runs_offload_run_is_the_sync_checks_guarded_run(backend: str) 
     """On CUDA the offload run arms the guard for its step ``GUARDED_STEP``: the reference
     passes it, ``broken.host_sync`` is caught there by ATen's debug mode, and its offload run
     is made again without the guard, so the loss check still reads every step."""
-    from harness.detection import SEED
-    from harness.environment import Environment
-    from harness.execute import guards_in_offload_run, run_case
-    from harness.syncguard import GUARDED_STEP, GuardedRun, HostSyncError
+    from harness.execute.environment import Environment
+    from harness.execute.steps import guards_in_offload_run, run_case
+    from harness.measure.syncguard import GUARDED_STEP, GuardedRun, HostSyncError
+    from harness.verify.detection import SEED
 
     env = Environment(device=torch.device("cuda", torch.cuda.current_device()), backend=backend)
     assert guards_in_offload_run(SEED, env)

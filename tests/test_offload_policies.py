@@ -101,7 +101,7 @@ def run_iteration(off: Offloader, model: TinyModel, order: str, iteration: int =
     for step in steps:
         microbatch = int(step[1:])
         if step[0] == "F":
-            off.begin_microbatch(microbatch)  # the runner's call, as in harness.train
+            off.begin_microbatch(microbatch)  # the runner's call, as in harness.models.train
             losses[microbatch] = model.forward(off, inputs[microbatch])
         else:
             losses.pop(microbatch).backward()

@@ -20,9 +20,9 @@ from harness.offload.passthrough import NoOffload, PassThroughGroup
 from harness.offload.protocol import GroupRecord, IterationLog, Offloader
 from harness.offload.recorder import RecordingOffloader
 from harness.offload.reference import OffloadContext, StructureChangedError
-from harness.spec import ModelSpec
 from harness.testing.autograd import SaveAndHandBack
 from harness.testing.strategies import normal
+from harness.vocab.spec import ModelSpec
 
 MIN_NUMEL = 16
 """min_offloaded_tensor_size of these tests."""
@@ -405,7 +405,7 @@ def run_schedule(off: Offloader, net: TinyNet, order: str, iteration: int) -> No
         microbatch = int(step[1:])
         if step[0] == "F":
             x_BD = normal((BATCH, WIDTH), seed=1000 * iteration + microbatch)
-            off.begin_microbatch(microbatch)  # the runner's call, as in harness.train
+            off.begin_microbatch(microbatch)  # the runner's call, as in harness.models.train
             losses[microbatch] = net.forward(off, x_BD.requires_grad_())
         else:
             losses.pop(microbatch).backward()
@@ -644,7 +644,7 @@ def test_second_backward_with_retain_graph_raises() -> None:
 
 def _fills(make: Callable[[], torch.Tensor]) -> int:
     """``aten::fill_`` calls while ``make`` runs under deterministic algorithms."""
-    from harness.train import deterministic
+    from harness.models.train import deterministic
 
     with deterministic(torch.device("cpu")), torch.profiler.profile() as prof:
         make()

@@ -1,5 +1,5 @@
-"""The worker pool (``harness.parallel``) and the shared plain baseline
-(``harness.baselines.plain_baseline``)."""
+"""The worker pool (``harness.run.parallel``) and the shared plain baseline
+(``harness.execute.baselines.plain_baseline``)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.attribution import total
-from harness.baselines import plain_baseline, plain_key
 from harness.cases import default_matrix
-from harness.environment import Environment
-from harness.execute import run_case
-from harness.parallel import worker_pool
+from harness.execute.attribution import total
+from harness.execute.baselines import plain_baseline, plain_key
+from harness.execute.environment import Environment
+from harness.execute.steps import run_case
+from harness.run.parallel import worker_pool
 
 CPU = torch.device("cpu")
 
@@ -47,7 +47,7 @@ def test_a_worker_inherits_what_the_parent_has_when_its_pool_is_made(
 
 
 def _cores_and_threads() -> tuple[int, int]:
-    from harness.settings import usable_cores
+    from harness.run.settings import usable_cores
 
     return usable_cores(), torch.get_num_threads()
 
@@ -103,7 +103,7 @@ def test_rows_sharing_a_key_share_one_plain_run_and_judge_alike() -> None:
     assert torch.equal(a.plain.losses, b.plain.losses)
     assert b.verdict.ok and b.hooks.losses.shape[0] == 1
     assert plain_baseline(second, env).made_by == first.name
-    from harness.baselines import forget_plain_baselines
+    from harness.execute.baselines import forget_plain_baselines
 
     forget_plain_baselines()
     fresh = run_case(second, env)
@@ -124,7 +124,7 @@ def test_a_mismatch_gets_every_step_of_the_hooks_baseline() -> None:
 def test_stopping_the_forkserver_kills_it_and_a_later_pool_starts_another() -> None:
     import multiprocessing.forkserver
 
-    from harness import forkserver
+    from harness.run import forkserver
 
     with worker_pool(1) as pool:
         first = pool.submit(os.getppid).result()  # a worker's parent: the forkserver

@@ -1,4 +1,5 @@
-"""The prediction (``harness.predict``) pinned by hand: every rule on hand-built observations, each
+"""The prediction (``harness.execute.predict``) pinned by hand: every rule on hand-built
+observations, each
 expected value a literal derived in the comment beside it, never by the code under test.
 
 Rules covered: the copy size (contiguous, a covering view's whole storage, a gather, a storage
@@ -14,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from harness.predict import predict
 
 from harness.offload.config import OffloadConfig
 from harness.offload.recorder import GroupObservation, SavedInfo
 from harness.offload.semantics import MEGATRON_MAIN, Semantics, copy_bytes, skip_reason
-from harness.predict import predict
 
 GATHER = Semantics(view_copy="gather")
 A, B = "core_attn", "attn_proj"  # two selected names (any two the config knows)

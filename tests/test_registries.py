@@ -1,6 +1,6 @@
 """The extension axes are registries: a layer symbol, an offload group name and a model
-implementation are each one table entry (``harness.groups``, ``harness.impls``) plus their own
-module; nothing else names them. Each test adds an entry and shows the rest of the harness
+implementation are each one table entry (``harness.vocab.groups``, ``harness.vocab.impls``) plus
+their own module; nothing else names them. Each test adds an entry and shows the rest of the harness
 picks it up."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from harness import groups, impls
 from harness.cases import Case
-from harness.groups import GroupName, LayerSymbol
 from harness.models.hybrid import build_model
+from harness.models.runs import Trainer, TrainResult
+from harness.models.train import train
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
-from harness.runs import Trainer, TrainResult
-from harness.spec import ModelSpec, RunSpec, group_template, parse_pattern
-from harness.train import train
+from harness.vocab import groups, impls
+from harness.vocab.groups import GroupName, LayerSymbol
+from harness.vocab.spec import ModelSpec, RunSpec, group_template, parse_pattern
 
 
 @pytest.fixture
@@ -40,10 +40,10 @@ def extra_symbol(monkeypatch: pytest.MonkeyPatch) -> str:
     )
     monkeypatch.setitem(groups.GROUPS, group.name, group)
     monkeypatch.setitem(groups.LAYERS, layer.symbol, layer)
-    monkeypatch.setattr("harness.spec.ALL_GROUP_NAMES", tuple(groups.GROUPS))
+    monkeypatch.setattr("harness.vocab.spec.ALL_GROUP_NAMES", tuple(groups.GROUPS))
     monkeypatch.setattr("harness.offload.config.ALL_GROUP_NAMES", tuple(groups.GROUPS))
     monkeypatch.setitem(
-        __import__("harness.spec", fromlist=["LAYER_SYMBOLS"]).LAYER_SYMBOLS, "M", "mlp2"
+        __import__("harness.vocab.spec", fromlist=["LAYER_SYMBOLS"]).LAYER_SYMBOLS, "M", "mlp2"
     )
     return "M"
 
@@ -121,7 +121,7 @@ def test_no_module_names_an_implementation_but_the_registry() -> None:
             "--",
             "harness",
             "cases",
-            ":!harness/impls.py",
+            ":!harness/vocab/impls.py",
         ],
         capture_output=True,
         text=True,
@@ -131,7 +131,7 @@ def test_no_module_names_an_implementation_but_the_registry() -> None:
 
 
 def test_case_table_imports_without_torch() -> None:
-    code = "import sys; sys.modules['torch'] = None; import harness.cases, harness.settings"
+    code = "import sys; sys.modules['torch'] = None; import harness.cases, harness.run.settings"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
@@ -146,7 +146,7 @@ def test_every_symbol_and_group_is_consistent() -> None:
 
 @pytest.mark.parametrize("name", sorted(impls.IMPLS))
 def test_every_trainer_has_the_trainer_signature(name: str) -> None:
-    """Each implementation's training function takes the ``harness.runs.Trainer`` call: the
+    """Each implementation's training function takes the ``harness.models.runs.Trainer`` call: the
     same parameters, kinds and annotations, the same result (megatron-core's module imports
     without megatron-core: its imports are inside the functions)."""
     expected = inspect.signature(Trainer.__call__)

@@ -13,9 +13,9 @@ from xml.etree import ElementTree
 import pytest
 
 from harness.cases import default_matrix
-from harness.html import render_index
-from harness.plots import ulp_matrix
-from harness.report import write_junit, write_summary
+from harness.reporting.html import render_index
+from harness.reporting.plots import ulp_matrix
+from harness.reporting.report import write_junit, write_summary
 
 pytest_plugins = ["pytester"]
 
@@ -179,7 +179,7 @@ def test_plotting_preloads_off_the_main_thread_with_the_file_backend() -> None:
     finds pyplot loaded, on the Agg backend (files only, never a display)."""
     import sys
 
-    from harness.plots import preload_plotting
+    from harness.reporting.plots import preload_plotting
 
     thread = preload_plotting()
     assert thread.daemon and thread.name == "preload-plotting"

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.bisect import RoutedOffloader, localise
 from harness.cases import Case, default_matrix
 from harness.cli import _parser, _repro_spec, main
-from harness.environment import Environment
-from harness.golden import parse_trace
+from harness.diagnose.bisect import RoutedOffloader, localise
+from harness.diagnose.repro import capture_layer_outputs
+from harness.execute.environment import Environment
+from harness.models.train import schedule_order, train
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload, PassThroughGroup
-from harness.repro import capture_layer_outputs
-from harness.spec import ModelSpec, RunSpec
-from harness.train import schedule_order, train
+from harness.verify.golden import parse_trace
+from harness.vocab.spec import ModelSpec, RunSpec
 
 BROKEN = "broken.corrupt_reload"
 CUSTOM = ["repro", "--device", "cpu", "--pattern", "+-+-", "--offload", "core_attn,attn_proj"]

@@ -1,4 +1,5 @@
-"""How the cases are grouped (``harness.baselines.sharing_groups``: at most ``MAX_ROWS_SHARING``
+"""How the cases are grouped (``harness.execute.baselines.sharing_groups``: at most
+``MAX_ROWS_SHARING``
 rows of one plain baseline, for pytest-xdist and ``offload-harness run``) and how the plugin
 orders them (``harness.plugin.cases.longest_groups_first``: the groups with the most work
 first)."""
@@ -13,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from harness.baselines import MAX_ROWS_SHARING, plain_key, sharing_groups
 from harness.cases import Case, matrix
-from harness.environment import Environment
+from harness.execute.baselines import MAX_ROWS_SHARING, plain_key, sharing_groups
+from harness.execute.environment import Environment
 from harness.plugin.cases import longest_groups_first
 
 ENV = Environment(device=torch.device("cpu"))

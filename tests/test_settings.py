@@ -1,4 +1,4 @@
-"""One settings model (``harness.settings``): every entry point takes a setting with the same
+"""One settings model (``harness.run.settings``): every entry point takes a setting with the same
 flag, default, help and error - the CLI's subcommands, the tools and the pytest plugin."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import argparse
 import pytest
 import torch
 
-from harness import cli, settings
+from harness import cli
 from harness.plugin.options import PYTEST_OPTIONS
+from harness.run import settings
 from harness.tools import mutation_score, nightly
 
 pytest_plugins = ["pytester"]
@@ -166,7 +167,7 @@ def test_a_sanitizer_race_is_one_line_naming_streams_ops_and_frames() -> None:
 
     from torch.cuda import _sanitizer as csan
 
-    from harness.judge import raised
+    from harness.verify.judge import raised
 
     def access(kind: csan.AccessType, stream: int, op: str, where: str) -> csan.Access:
         frame = traceback.FrameSummary(where, 12, "reload")

@@ -11,17 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from harness import execute, syncguard
-from harness.detection import SEED
-from harness.environment import Environment
-from harness.execute import run_case
-from harness.judge import CaseRuns
-from harness.offload.config import OffloadConfig
-from harness.offload.passthrough import NoOffload
-from harness.offload.protocol import Offloader
-from harness.offload.reference import OffloadContext
-from harness.spec import RunSpec, preset
-from harness.syncguard import (
+from harness.execute import steps as execute
+from harness.execute.environment import Environment
+from harness.execute.steps import run_case
+from harness.measure import syncguard
+from harness.measure.syncguard import (
     GUARDED_STEP,
     SYNC_MESSAGE,
     GuardedGroup,
@@ -32,7 +26,14 @@ from harness.syncguard import (
     _record_explicit,
     run_guarded,
 )
-from harness.train import train
+from harness.models.train import train
+from harness.offload.config import OffloadConfig
+from harness.offload.passthrough import NoOffload
+from harness.offload.protocol import Offloader
+from harness.offload.reference import OffloadContext
+from harness.verify.detection import SEED
+from harness.verify.judge import CaseRuns
+from harness.vocab.spec import RunSpec, preset
 
 SPEC = preset("hybrid-tiny")
 RUN = RunSpec(steps=2, microbatches=2, schedule="1f1b", precision="fp32")
@@ -122,7 +123,7 @@ def test_a_guarded_run_of_a_logless_backend_that_moved_nothing_proves_nothing() 
 
 # ------------------------------------------------- the guard inside a case's offload run
 # On CUDA the case runner arms the guard for step GUARDED_STEP of the offload run itself
-# (``harness.execute.guards_in_offload_run``). On CPU nothing can synchronise, so these tests
+# (``harness.execute.steps.guards_in_offload_run``). On CPU nothing can synchronise, so these tests
 # let it guard there and simulate what ATen's debug mode raises.
 
 

@@ -1,5 +1,5 @@
-"""Offloaders nobody here wrote: black-box attribution (``harness.observe``), declared semantics,
-the ``save-on-cpu`` adapter and the documented example (``examples/my_offloader.py``).
+"""Offloaders nobody here wrote: black-box attribution (``harness.measure.observe``), declared
+semantics, the ``save-on-cpu`` adapter and the documented example (``examples/my_offloader.py``).
 
 * the example passes every check on CPU with its copies counted by the harness's own group
   windows (it opens no range and keeps no log), exactly per group occurrence;
@@ -24,13 +24,13 @@ import pytest
 import torch
 
 from harness.cases import SEED_CASE, Case
-from harness.environment import Environment
-from harness.judge import judge
-from harness.observe import CopyObserver, Windowed, observe
+from harness.execute.environment import Environment
+from harness.measure.observe import CopyObserver, Windowed, observe
 from harness.offload.adapters import ContextGroup, SaveOnCpu
 from harness.offload.backends import resolve_backend
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
+from harness.verify.judge import judge
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CPU = torch.device("cpu")
@@ -56,7 +56,7 @@ def _statuses(judgement) -> dict[str, str]:
 
 @pytest.mark.usefixtures("examples_importable")
 def test_example_passes_counted_by_harness_windows_alone() -> None:
-    from harness.execute import run_case
+    from harness.execute.steps import run_case
 
     res = run_case(ROW, Environment(device=CPU, backend="my_offloader:MyOffloader"))
     assert res.attribution is not None and res.attribution.source == "harness windows"
@@ -164,7 +164,7 @@ def test_save_on_cpu_bf16_row_passes_against_its_layout_baseline() -> None:
     """The layout change above does not fail the row on any CPU: the offload run is compared
     with the layout baseline (the same contiguous copies made on the device), which it equals
     bitwise wherever it runs; how far that baseline is from the plain one is only stated."""
-    from harness.execute import run_case
+    from harness.execute.steps import run_case
 
     res = run_case(BF16_ROW, Environment(device=CPU, backend="save-on-cpu"))
     assert res.layout is not None and res.baseline is res.layout
@@ -228,8 +228,8 @@ def test_a_corrupt_contiguous_reload_fails_against_the_layout_baseline() -> None
 
 
 def test_reference_counts_by_its_ranges_and_the_windows_agree() -> None:
-    from harness.caserun import attribution_mismatches
-    from harness.execute import run_case
+    from harness.execute.caserun import attribution_mismatches
+    from harness.execute.steps import run_case
 
     res = run_case(ROW, Environment(device=CPU, backend="reference"))
     assert res.attribution is not None and res.attribution.source == "offloader ranges"
@@ -339,9 +339,9 @@ def test_observer_reads_the_offloaders_ranges_as_the_cpu_profiler_counts_them() 
     copies and bytes per range occurrence."""
     import contextlib
 
-    from harness.attribution import _profiled
+    from harness.execute.attribution import _profiled
+    from harness.models.train import RunHooks, train
     from harness.offload.reference import OffloadContext
-    from harness.train import RunHooks, train
 
     case = SEED_CASE
     spec, run = case.model_spec("tiny"), case.run_spec()
@@ -436,7 +436,7 @@ def delayed_factory(config: OffloadConfig, device: torch.device):
 
 @pytest.mark.usefixtures("examples_importable")
 def test_a_d2h_issued_in_the_next_groups_window_counts_for_the_group_that_saved_it() -> None:
-    from harness.execute import run_case
+    from harness.execute.steps import run_case
 
     backend = f"{__name__}:delayed_factory"
     res = run_case(ROW, Environment(device=CPU, backend=backend))
@@ -474,7 +474,7 @@ def foreach_factory(config, device):  # type: ignore[no-untyped-def]
 def test_copies_made_with_foreach_copy_are_observed_like_copy_() -> None:
     """A copy made through ``aten::_foreach_copy_`` is counted per tensor pair, for the group
     that saved it, exactly as the example's ``copy_`` calls are (it was invisible before)."""
-    from harness.execute import run_case
+    from harness.execute.steps import run_case
 
     res = run_case(ROW, Environment(device=CPU, backend=f"{__name__}:foreach_factory"))
     example = run_case(ROW, Environment(device=CPU, backend="my_offloader:MyOffloader"))
@@ -494,7 +494,7 @@ def test_te_backend_says_why_it_cannot_run_on_cpu() -> None:
 
 
 def test_checksum_reads_values_in_logical_order_and_sees_one_flipped_bit() -> None:
-    from harness.observe import checksum
+    from harness.measure.observe import checksum
 
     view = torch.randn(6, 4, dtype=torch.bfloat16).t()
     assert torch.equal(checksum(view), checksum(view.contiguous())), "layout does not matter"
@@ -509,8 +509,8 @@ def test_checksums_change_nothing_the_run_computes() -> None:
     observed step is compared."""
     import contextlib
 
+    from harness.models.train import RunHooks, train
     from harness.offload.reference import OffloadContext
-    from harness.train import RunHooks, train
 
     case = SEED_CASE
     spec, run = case.model_spec("tiny"), case.run_spec()
@@ -534,8 +534,8 @@ def test_checksums_change_nothing_the_run_computes() -> None:
 
 
 def test_a_corrupt_reload_is_named_by_its_checksum_in_the_first_run() -> None:
-    from harness.detection import SEED
-    from harness.execute import run_case
+    from harness.execute.steps import run_case
+    from harness.verify.detection import SEED
 
     res = run_case(SEED, Environment(device=CPU, backend="broken.corrupt_reload"))
     assert res.corrupted, "the flipped bit changes the reloaded tensor's checksum"
@@ -549,7 +549,7 @@ def test_a_corrupt_reload_is_named_by_its_checksum_in_the_first_run() -> None:
 
 
 def test_the_weights_check_names_a_parameter_copied_out() -> None:
-    from harness.detection import SEED
+    from harness.verify.detection import SEED
 
     judgement = judge(SEED, Environment(device=CPU, backend="broken.offloads_weights"))
     outcome = next(o for o in judgement.outcomes if o.name == "weights")
@@ -563,7 +563,7 @@ def test_the_weights_check_names_a_parameter_copied_out() -> None:
 
 
 def test_the_weights_check_passes_the_reference_and_proves_it_watched() -> None:
-    from harness.detection import SEED
+    from harness.verify.detection import SEED
 
     judgement = judge(SEED, Environment(device=CPU, backend="reference"), checks=("weights",))
     (outcome,) = judgement.outcomes

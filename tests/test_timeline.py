@@ -1,5 +1,5 @@
-"""``harness.timeline`` on small synthetic chrome traces whose figures are worked out by hand
-(times in microseconds, as the profiler writes them)."""
+"""``harness.measure.timeline`` on small synthetic chrome traces whose figures are worked out by
+hand (times in microseconds, as the profiler writes them)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from harness.timeline import Copies, Timeline, analyse, phase_busy
+from harness.measure.timeline import Copies, Timeline, analyse, phase_busy
 
 MIB = 2**20
 COMPUTE, D2H_STREAM, H2D_STREAM = 7, 20, 21
@@ -218,7 +218,7 @@ def test_host_self_time_subtracts_what_is_nested() -> None:
     holding a runtime call [61,65]; a range's Python between its ops is its self time; names
     aggregate up to their first '|'; another thread's events nest only among themselves; a
     child overhanging its parent counts only its part inside; device events are not host."""
-    from harness.timeline import host_self_times
+    from harness.measure.timeline import host_self_times
 
     events = [
         host("_GroupCommit", 0, 100),
@@ -248,7 +248,7 @@ def test_host_self_time_subtracts_what_is_nested() -> None:
 
 
 def test_host_increase_ranks_growth_only() -> None:
-    from harness.timeline import host_increase
+    from harness.measure.timeline import host_increase
 
     base = {"aten::mm": 5.0, "aten::fill_": 1.0, "gone": 2.0}
     other = {"aten::mm": 4.0, "aten::fill_": 24.0, "_GroupCommit": 2.5, "aten::copy_": 0.5}

@@ -1,5 +1,5 @@
-"""``harness.transfers``: the profiler-based copy counter agrees with the reference offloader's own
-accounting and with bytes derived from the saved tensors' shapes."""
+"""``harness.measure.transfers``: the profiler-based copy counter agrees with the reference
+offloader's own accounting and with bytes derived from the saved tensors' shapes."""
 
 from __future__ import annotations
 
@@ -17,13 +17,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import harness.transfers
-from harness.offload.config import OffloadConfig
-from harness.offload.ranges import RangeKey, range_name
-from harness.offload.reference import OffloadContext
-from harness.spec import RunSpec, preset
-from harness.train import train
-from harness.transfers import (
+import harness.measure.transfers
+from harness.measure.transfers import (
     ELEMENT_SIZES,
     SOURCE_ENV,
     Counts,
@@ -34,6 +29,11 @@ from harness.transfers import (
     profile_transfers,
     transfer_profiler,
 )
+from harness.models.train import train
+from harness.offload.config import OffloadConfig
+from harness.offload.ranges import RangeKey, range_name
+from harness.offload.reference import OffloadContext
+from harness.vocab.spec import RunSpec, preset
 
 NEEDS_IN_MEMORY_ACTIVITIES = pytest.mark.skipif(
     not hasattr(torch._C._autograd._ProfilerResult, "trace_activities"),
@@ -329,7 +329,7 @@ def test_source_selection(monkeypatch: pytest.MonkeyPatch) -> None:
         loaded.append(source)
         return trace
 
-    monkeypatch.setattr(harness.transfers, "load_trace", fake_load)
+    monkeypatch.setattr(harness.measure.transfers, "load_trace", fake_load)
     assert count_transfers(prof).by_range == expected
     assert count_transfers(prof, source="memory").by_range == expected
     assert loaded == []  # read in memory (repeatably)

@@ -1,5 +1,5 @@
-"""Offloaders that declare nothing: their rule is learned from what they do (``harness.learn``),
-then every step is held to it.
+"""Offloaders that declare nothing: their rule is learned from what they do
+(``harness.execute.learn``), then every step is held to it.
 
 * ``learn`` on hand-built observations finds each freedom the protocol leaves (skip rule, size
   threshold, view copy, CPU hand-back, occurrence policy) and says which ones a case cannot
@@ -17,15 +17,15 @@ import re
 
 import pytest
 import torch
+from harness.learn import learn
 
 from harness.cases import Case
-from harness.environment import Environment
-from harness.execute import run_case
-from harness.judge import judge
-from harness.learn import learn
+from harness.execute.environment import Environment
+from harness.execute.steps import run_case
+from harness.models.train import schedule_order
 from harness.offload.config import OffloadConfig
 from harness.offload.recorder import GroupObservation, SavedInfo
-from harness.train import schedule_order
+from harness.verify.judge import judge
 
 CPU = torch.device("cpu")
 ROWS = (

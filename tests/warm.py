@@ -4,7 +4,7 @@ An end-to-end test runs a user's command - ``python -m pytest ...``, ``python -m
 ...`` - in a process of its own, for its exit code, its output and its signals. Started fresh,
 each such process imports torch, TorchDynamo and the harness again: 3-5 s of the 2-core CPU
 machine, most of what a small end-to-end test costs. ``run`` and ``start`` fork it instead from
-multiprocessing's forkserver (the one ``harness.forkserver`` configures: a process that imported
+multiprocessing's forkserver (the one ``harness.run.forkserver`` configures: a process that imported
 torch, TorchDynamo, FSDP2 and the harness, and here pytest too, and never computed anything), and
 the child then does what the interpreter does with the same command line: ``-m module`` through
 ``runpy`` as ``__main__``, the working directory and ``PYTHONPATH`` first on ``sys.path``, the
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import forkserver
+from harness.run import forkserver
 
 PRELOAD = (*forkserver.PRELOAD, "harness.entry", "harness.cli", "pytest", "xdist")
 """The harness's own preload, and the entry points the tests' commands run."""

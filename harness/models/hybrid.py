@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.groups import LAYERS
 from harness.models.layers import RMSNorm
 from harness.offload.protocol import Offloader
-from harness.spec import ModelSpec, chunk_layers
+from harness.vocab.groups import LAYERS
+from harness.vocab.spec import ModelSpec, chunk_layers
 
 
 def layer_class(symbol: str) -> type[nn.Module]:
-    """Our layer class for a pattern symbol (``harness.groups.LAYERS``' ``layer_class``)."""
+    """Our layer class for a pattern symbol (``harness.vocab.groups.LAYERS``' ``layer_class``)."""
     module, _, name = LAYERS[symbol].layer_class.partition(":")
     return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 

@@ -7,7 +7,7 @@ Shape legend (suffixes on tensor names):
     F MLP inner width    Q q LoRA rank       C kv LoRA rank
 
 Every layer takes the offloader and its own layer index and opens exactly the groups of its
-symbol's template (``harness.spec.group_template``), with Megatron's forced-release tensors.
+symbol's template (``harness.vocab.spec.group_template``), with Megatron's forced-release tensors.
 Unselected groups pass through, so the same code is the baseline.
 
 Only deterministic kernels are used (matmul, softmax, elementwise, cat): no atomics, so two runs
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.offload.protocol import Offloader
-from harness.spec import ModelSpec
+from harness.vocab.spec import ModelSpec
 
 
 def _param(*shape: int) -> nn.Parameter:

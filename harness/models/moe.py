@@ -29,7 +29,7 @@ from torch import nn
 
 from harness.models.layers import RMSNorm, normed_residual
 from harness.offload.protocol import Offloader
-from harness.spec import ModelSpec
+from harness.vocab.spec import ModelSpec
 
 
 def expert_capacity(spec: ModelSpec) -> int:

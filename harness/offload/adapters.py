@@ -3,8 +3,8 @@
 ``save-on-cpu``: PyTorch's ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, entered when a
 selected group's context is entered and left with it. It keeps no log, opens no profiler range
 and knows nothing of Megatron's policies: the harness counts its copies through its own group
-windows (``harness.observe``) and predicts them from the semantics declared here, which restate
-what ``save_on_cpu`` does:
+windows (``harness.measure.observe``) and predicts them from the semantics declared here, which
+restate what ``save_on_cpu`` does:
 
 * every tensor autograd saves inside the group moves, parameters included (it has no skip rule);
 * each is copied as itself: ``torch.empty(tensor.size())`` then ``copy_`` (a view is gathered),
@@ -143,7 +143,7 @@ class TeCpuOffload(_Adapter):
     ``NVTE_CPU_OFFLOAD_V1=1`` in the environment selects its older implementation.
     It declares no semantics: its policies (the last layer kept, the newer implementation's own
     size threshold of 2**20 elements) are learned from its copies like any undeclared
-    offloader's (``harness.learn``), and it is held to them in every step."""
+    offloader's (``harness.execute.learn``), and it is held to them in every step."""
 
     name = "te"
     capabilities: ClassVar[Capabilities] = Capabilities(

@@ -5,7 +5,7 @@ A factory is any callable ``(config: OffloadConfig, device: torch.device) -> Off
 (``harness.offload.protocol``). Resolution happens once, up front, so a bad name is a one-line
 ``ValueError`` before any model is built; a module that raises at import (any exception, a
 ``SyntaxError`` too) is one as well. ``probe_backend`` then calls the factory once and checks
-that it returns an ``Offloader`` (the entry points do so through ``harness.settings``). What the
+that it returns an ``Offloader`` (the entry points do so through ``harness.run.settings``). What the
 harness knows about a backend beyond that comes from the ``Capabilities`` record its factory
 declares (``capabilities(spec)``).
 
@@ -27,7 +27,6 @@ from collections.abc import Callable
 
 import torch
 
-from harness import globalstate
 from harness.offload.broken import BROKEN, LONG_DELAY
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
@@ -35,6 +34,7 @@ from harness.offload.protocol import Capabilities, Offloader
 from harness.offload.recorder import RecordingOffloader
 from harness.offload.reference import OffloadContext, RaceDelays
 from harness.offload.semantics import Semantics
+from harness.util import globalstate
 
 Factory = Callable[[OffloadConfig, torch.device], Offloader]
 
@@ -68,7 +68,7 @@ the D2H wait its inline reload lacks, to localise Megatron-LM #7398."""
 
 UNDECLARED = Capabilities()
 """The record of a factory that declares none: no description, no semantics (the prediction
-learns its rule from what it does, ``harness.learn``, and says so), no race delays, runs
+learns its rule from what it does, ``harness.execute.learn``, and says so), no race delays, runs
 anywhere."""
 
 DELAYS = "+delays"
@@ -238,7 +238,7 @@ def _child_probe(spec: str, device: str) -> None:
 
 def _call_factory(spec: str, device: torch.device) -> None:
     """The probe itself, in this process (whatever process-global torch state the backend
-    changes when built is undone: its cases' runs judge that, ``harness.globalstate``)."""
+    changes when built is undone: its cases' runs judge that, ``harness.util.globalstate``)."""
     factory = resolve_backend(spec)
     try:
         with globalstate.restoring():
@@ -304,7 +304,7 @@ def _declared(factory: Factory, shown: str) -> Capabilities:
     if record.semantics is not None and not isinstance(record.semantics, Semantics):
         raise ValueError(
             f"backend {shown!r}: its capabilities' semantics is a "
-            f"{type(record.semantics).__name__}, not a harness.predict.Semantics"
+            f"{type(record.semantics).__name__}, not a harness.offload.semantics.Semantics"
         )
     return record
 

@@ -11,7 +11,7 @@ copy still in flight.
 ``OFFLOADERS`` lists every broken backend with its bug class, the real-world report it
 reproduces (a public bug report or a peer test's blind spot), whether CPU can show it, and its
 CUDA race delays. The default-matrix cases and checks that catch each are the verify side's
-(``harness.detection.CATALOGUE``), which ``scripts/mutation_score`` and
+(``harness.verify.detection.CATALOGUE``), which ``scripts/mutation_score`` and
 ``tests/test_detection.py`` read.
 """
 
@@ -647,7 +647,7 @@ class LyingLog(OffloadContext):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BrokenOffloader:
     """One broken offloader: its class and what the backend resolver and a report say of it. Which
-    cases and checks catch it is the verify side's (``harness.detection``)."""
+    cases and checks catch it is the verify side's (``harness.verify.detection``)."""
 
     factory: type[OffloadContext]
     bug_class: str
@@ -794,7 +794,7 @@ OFFLOADERS: tuple[BrokenOffloader, ...] = (
         cpu=True,
     ),
 )
-"""Every broken offloader, in the catalogue's order (``harness.detection.CATALOGUE``)."""
+"""Every broken offloader, in the catalogue's order (``harness.verify.detection.CATALOGUE``)."""
 
 for _record in OFFLOADERS:  # each backend's record: the reference's, with its own description
     _record.factory.capabilities = dataclasses.replace(

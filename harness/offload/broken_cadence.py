@@ -1,6 +1,6 @@
 """Broken offloaders whose fault is *when* they reload: every byte moves, every value comes
 back right, and only the order of reloads against the group backwards shows it (the cadence
-check, ``harness.cadence``). Registered with the others in ``harness.offload.broken``'s
+check, ``harness.execute.cadence``). Registered with the others in ``harness.offload.broken``'s
 ``OFFLOADERS``.
 
 Both are the reference (``OffloadContext``) with one step overridden. On CUDA they hold more

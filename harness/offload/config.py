@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from harness.groups import GROUPS
-from harness.spec import ALL_GROUP_NAMES, ModelSpec
+from harness.vocab.groups import GROUPS
+from harness.vocab.spec import ALL_GROUP_NAMES, ModelSpec
 
 MOE_EXPERT_NAMES = frozenset(name for name, group in GROUPS.items() if group.routing_dependent)
 """Groups whose saved shapes vary with routing; they never use the pinned pool."""
@@ -108,7 +108,7 @@ class OffloadConfig:
 
 
 def _check_group_rules(names: tuple[str, ...]) -> None:
-    """Each selected name's ``requires`` and ``excludes`` (``harness.groups.GROUPS``)."""
+    """Each selected name's ``requires`` and ``excludes`` (``harness.vocab.groups.GROUPS``)."""
     selected = set(names)
     for name in names:
         group = GROUPS[name]

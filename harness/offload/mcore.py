@@ -46,13 +46,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from harness import distributed
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import PassThroughGroup
 from harness.offload.protocol import Capabilities, GroupRecord, IterationLog, Output, declare
 from harness.offload.ranges import profiler_range
 from harness.offload.reference import RaceDelays
 from harness.offload.semantics import Semantics
+from harness.util import distributed
 
 MODULE = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
 TE_EXTENSION = "megatron.core.extensions.transformer_engine"
@@ -171,8 +171,8 @@ class McoreOffloader:
         ``begin_microbatch`` only notes the microbatch and ``end_iteration`` does nothing; each
         group start is keyed by (microbatch, ``layer()``, name) and its chunk instrumented, a
         commit adds the compute-stream delay, and megatron-core's reset logs the iteration
-        first. ``windows`` (a ``harness.observe.Windowed`` around this offloader) is told each
-        group start, commit and saved tensor, so its windows bracket the groups megatron-core's
+        first. ``windows`` (a ``harness.measure.observe.Windowed`` around this offloader) is told
+        each group start, commit and saved tensor, so its windows bracket the groups megatron-core's
         layers open as they bracket the ones the protocol opens."""
         mcore, interface = self._mcore, self._interface
         start = mcore.fine_grained_offloading_group_start

@@ -17,7 +17,7 @@ The training runner brackets microbatches and iterations:
 
 Under the ``interleaved`` schedule the model runs in model chunks (virtual pipeline stages):
 each chunk's forward of a microbatch is a pass of its own, and ``begin_microbatch`` gets the
-pass id ``microbatch * chunks + chunk`` (``harness.train.pass_of``), so an offloader keyed by
+pass id ``microbatch * chunks + chunk`` (``harness.models.train.pass_of``), so an offloader keyed by
 microbatch sees one forward and one backward per id as always.
 
 Two members are optional: ``plan(occurrences)``, told the selected group occurrences of a
@@ -117,8 +117,8 @@ class Offloader(Protocol):
 
 class Wrapper:
     """An ``Offloader`` around another one: every call goes to ``inner`` unchanged; a wrapper
-    (``harness.bisect.RoutedOffloader``, ``harness.syncguard.GuardedOffloader``) overrides the
-    calls it changes."""
+    (``harness.diagnose.bisect.RoutedOffloader``, ``harness.measure.syncguard.GuardedOffloader``)
+    overrides the calls it changes."""
 
     def __init__(self, inner: Offloader, name: str | None = None) -> None:
         self.inner = inner

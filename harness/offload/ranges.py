@@ -1,8 +1,8 @@
 """Profiler range names that attribute every offload copy to its group.
 
 A backend wraps each group's copies in ``torch.profiler.record_function(range_name(...))``; the
-transfer counter (``harness.transfers``) finds the copies inside such ranges and parses the name
-back. One format, used by both sides:
+transfer counter (``harness.measure.transfers``) finds the copies inside such ranges and parses the
+name back. One format, used by both sides:
 
     offload_harness.d2h|core_attn|mb=1|layer=4
 """

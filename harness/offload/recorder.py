@@ -4,7 +4,8 @@ It opens the same groups as an offloader (identity start/commit autograd ops, sa
 inside each ``with`` block) but hands every saved tensor straight back, so it is the baseline that
 separates "the hooks changed the graph" from "the transport corrupted data". What it records -
 shape, strides, storage size, dtype of every saved tensor per group occurrence - is the input of
-the independent transfer prediction (``harness.predict``); it never looks at an offloader's log.
+the independent transfer prediction (``harness.execute.predict``); it never looks at an offloader's
+log.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``Semantics`` is the part of Megatron's rules that differs between offloader versions; a backend
 declares its own in its ``Capabilities`` record (``harness.offload.protocol``). It lives on the
 offload side, beside ``Capabilities``, so that the offloaders (the reference, the adapters, the
-layout baseline) and the independent prediction (``harness.predict``) both read it and no
+layout baseline) and the independent prediction (``harness.execute.predict``) both read it and no
 offloader imports the prediction. The pure per-tensor rules (``copy_bytes``, ``eligible``,
 ``skip_reason``) belong to it: they read one saved tensor's record and the declared rules, nothing
 of a run.
@@ -62,7 +62,7 @@ class Semantics:
     pass's forward stay on the device, in every iteration (TransformerEngine keeps its last
     layer)."""
     prefetch_depth: int | None = None
-    """When reloads may be issued in backward (the cadence check, ``harness.cadence``).
+    """When reloads may be issued in backward (the cadence check, ``harness.execute.cadence``).
     ``None``: Megatron-Core's rule - each group occurrence's backward end issues one reload,
     the most recently committed offloaded group of its pass still on the host, else the top
     one of the next pass to run backward if that pass's forward is done (so a pass whose
@@ -72,7 +72,7 @@ class Semantics:
     it in the step's backward order (0: not before its own backward starts, a reload at
     unpack)."""
     observed: bool = False
-    """Learned from the offloader's own copies (``harness.learn``), not declared by it: the
+    """Learned from the offloader's own copies (``harness.execute.learn``), not declared by it: the
     checks hold it to this rule and say so, but cannot hold it to Megatron's."""
     label: str = "Megatron-Core main's rules"
     """What the prediction's messages call this model."""

@@ -8,7 +8,7 @@ import faulthandler
 import signal
 from collections.abc import Callable
 
-from harness import leftovers
+from harness.util import leftovers
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """The signals that stop a plain pytest session as Ctrl-C does (``terminated``)."""
@@ -48,5 +48,5 @@ def exit_status(status: int) -> None:
 
 def leave_past_stray_threads() -> None:
     """A session whose cases' backends left a non-daemon thread running still ends, with its
-    exit status, naming the thread (``harness.leftovers``)."""
+    exit status, naming the thread (``harness.util.leftovers``)."""
     leftovers.exit_past_stray_threads(lambda: _EXIT[0], "offload-harness")

@@ -24,10 +24,10 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from harness import settings
+from harness.models.train import RunHooks, train
 from harness.offload.backends import resolve_backend
 from harness.offload.pool import no_deterministic_fill
-from harness.train import RunHooks, train
+from harness.run import settings
 
 
 def parser() -> argparse.ArgumentParser:

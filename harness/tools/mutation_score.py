@@ -10,7 +10,7 @@ count false alarms.
 
 A broken offloader runs its catalogue catchers' cases first, then the rest of the matrix, and
 stops at the first case that catches it. Only the checks its catalogue entry names are judged
-(``harness.judge``, the one judge pytest's case files and ``offload-harness run`` use; never
+(``harness.verify.judge``, the one judge pytest's case files and ``offload-harness run`` use; never
 ``golden``, which reads the plain baseline alone), and a check's failure is a catch only when
 one of its problem lines matches the entry's expected pattern for that check
 (``BrokenBackend.reasons``): a failure for another reason is no catch, and a case whose runs
@@ -21,8 +21,8 @@ each broken offloader runs with the race delays its catalogue entry names (``--r
 none`` turns them off; ``d2h=N,h2d=N,compute=N`` sets them for all). Exit code 0 when every
 broken offloader was caught (or, with ``--repeat-correct``, when no pass raised an alarm).
 
-``--jobs N`` runs N worker processes (``harness.parallel``; default ``settings.default_jobs``: one
-per usable core on CPU, three per four cores up to 12 on CUDA), each with cores // N intra-op
+``--jobs N`` runs N worker processes (``harness.run.parallel``; default ``settings.default_jobs``:
+one per usable core on CPU, three per four cores up to 12 on CUDA), each with cores // N intra-op
 threads (``settings.usable_cores``: the process's CPU affinity). On CUDA the N workers share the one
 GPU, each with its own CUDA context on the same device (``cuda`` or ``cuda:<index>``); the parent
 never initialises CUDA. Cases are independent and every check reads its own process's state
@@ -43,14 +43,14 @@ from dataclasses import dataclass
 
 import torch
 
-from harness import settings
 from harness.cases import Case, default_matrix
-from harness.detection import CATALOGUE, BrokenBackend, entry, first_match
-from harness.environment import Environment
-from harness.judge import CHECKS, judge
+from harness.execute.environment import Environment
 from harness.offload.backends import parse_race_delays, resolve_backend, with_delays
 from harness.offload.broken import NO_DELAYS
-from harness.parallel import run_ordered, threads_per_worker, worker_pool
+from harness.run import settings
+from harness.run.parallel import run_ordered, threads_per_worker, worker_pool
+from harness.verify.detection import CATALOGUE, BrokenBackend, entry, first_match
+from harness.verify.judge import CHECKS, judge
 
 
 @dataclass(frozen=True)
@@ -129,12 +129,12 @@ def find(case: Case, env: Environment, broken: BrokenBackend) -> Finding:
 
 UNEXPLAINED = re.compile(r"^no single rule explains its copies in steps? ")
 """How the transfer check says that an undeclared backend's copies fit no rule it could have
-(``harness.learn``): with the declarations hidden (``--undeclared``) that is the learned-rule
-form of "counted vs prediction", so it counts as a transfers catch."""
+(``harness.execute.learn``): with the declarations hidden (``--undeclared``) that is the
+learned-rule form of "counted vs prediction", so it counts as a transfers catch."""
 
 
 RAISED = "the case's runs raised"
-"""How ``harness.judge.raised`` starts a problem."""
+"""How ``harness.verify.judge.raised`` starts a problem."""
 
 
 def _summary(problems: list[str]) -> str:
@@ -159,7 +159,7 @@ def _backend(broken: BrokenBackend, device: torch.device, delays: str) -> str:
 
 def environment(backend: str, device: str, model_size: str, undeclared: bool) -> Environment:
     """The scoring environment; ``undeclared`` (``--undeclared``) judges the backend as if it
-    declared no semantics: its rule is learned from its copies (``harness.learn``)."""
+    declared no semantics: its rule is learned from its copies (``harness.execute.learn``)."""
     return Environment(
         device=torch.device(device), backend=backend, model_size=model_size, undeclared=undeclared
     )

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from harness import settings
 from harness.cases import Case, matrix
-from harness.report import folder_name
+from harness.reporting.report import folder_name
+from harness.run import settings
 
 REPO = Path(__file__).resolve().parents[2]
 """The checkout whose ``cases/`` the gate runs."""

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from harness.measure.observe import Windowed
 from harness.models.mcore.build import model_layers
-from harness.observe import Windowed
 from harness.offload.passthrough import NoOffload, PassThroughGroup
 from harness.offload.protocol import Offloader, Wrapper
 

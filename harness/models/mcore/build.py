@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from harness.impls import IMPLS
-from harness.spec import ModelSpec, RunSpec
+from harness.vocab.impls import IMPLS
+from harness.vocab.spec import ModelSpec, RunSpec
 
 
 def build_model(spec: ModelSpec, run: RunSpec, config: Any, device: torch.device) -> Any:

@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from harness import distributed
-from harness.groups import LAYERS
-from harness.impls import IMPLS
 from harness.models.hybrid import INIT_STD
+from harness.models.runs import Refused
 from harness.offload.config import OffloadConfig
-from harness.runs import Refused
-from harness.spec import ModelSpec, RunSpec, gpt_layers
+from harness.util import distributed
+from harness.vocab.groups import LAYERS
+from harness.vocab.impls import IMPLS
+from harness.vocab.spec import ModelSpec, RunSpec, gpt_layers
 
 ENVIRONMENT = {
     # Unfused attention (megatron-core's offloading test pins it the same way).
@@ -42,7 +42,8 @@ model asserts and writes for the unfused backend."""
 def _apply_environment() -> None:
     os.environ.update(ENVIRONMENT)
     # TransformerEngine's CPU-offload implementation is a setting (``--nvte-cpu-offload-v1``,
-    # exported by ``harness.settings.apply``); unset, its older one: the code path megatron-core's
+    # exported by ``harness.run.settings.apply``); unset, its older one: the code path
+    # megatron-core's
     # fine-grained offloading toggles (megatron's training arguments require it, TE >= 2.10).
     os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "1")
 

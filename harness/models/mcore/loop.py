@@ -1,4 +1,4 @@
-"""The training loop of megatron-core's models (``train``, a ``harness.runs.Trainer``):
+"""The training loop of megatron-core's models (``train``, a ``harness.models.runs.Trainer``):
 megatron-core's ``forward_backward_no_pipelining`` for the microbatches of a step, under the
 sharding's trainer, with the process warmed once per model shape, CUDA-graph rows on a side
 stream, and the run's device memory freed when it ends."""
@@ -11,8 +11,6 @@ from typing import Any, Protocol
 
 import torch
 
-from harness import distributed
-from harness.impls import IMPLS
 from harness.models.hybrid import make_batches
 from harness.models.mcore.bridge import LayerTracker, _mode, _wired, innermost
 from harness.models.mcore.build import build_model
@@ -23,11 +21,13 @@ from harness.models.mcore.config import (
     unavailable_reason,
 )
 from harness.models.mcore.sharding import TRAINERS, ShardingTrainer
+from harness.models.runs import RunHooks, TrainResult
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Offloader
-from harness.runs import RunHooks, TrainResult
-from harness.spec import ModelSpec, RunSpec
+from harness.util import distributed
+from harness.vocab.impls import IMPLS
+from harness.vocab.spec import ModelSpec, RunSpec
 
 
 def train(
@@ -41,7 +41,7 @@ def train(
     keep_final_state: bool,
     sharding: str,
 ) -> TrainResult:
-    """``harness.train.train`` for megatron-core's models (see ``harness.models.mcore``)."""
+    """``harness.models.train.train`` for megatron-core's models (see ``harness.models.mcore``)."""
     _refuse(spec, run, device, sharding)
     ensure_parallel_state(device)
     _warm_process(spec, run, device, sharding)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from harness.models.mcore.build import model_layers
-from harness.spec import RunSpec
+from harness.vocab.spec import RunSpec
 
 
 def _optimizer_tensors(optimizer: Any) -> list[Any]:
@@ -235,4 +235,4 @@ TRAINERS: dict[str, Callable[[Any, Any, Any, RunSpec], ShardingTrainer]] = {
     "mfsdp": _mfsdp_trainer,
     "mfsdp2": _mfsdp2_trainer,
 }
-"""How each sharding of megatron-core's models trains (``harness.spec.SHARDINGS``)."""
+"""How each sharding of megatron-core's models trains (``harness.vocab.spec.SHARDINGS``)."""

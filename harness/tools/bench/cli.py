@@ -1,7 +1,7 @@
 """Step time, copy rates and memory of the offload backends on realistic models, in one run.
 
 For each model, every variant trains the same spec and seed with the harness runner
-(``harness.train``):
+(``harness.models.train``):
 
     baseline     no offload machinery (backend ``none``)
     reference    the bundled reference offloader
@@ -28,8 +28,8 @@ raw pinned ``copy_`` rate and each offloader's rate on a copy-only microbenchmar
 A model is *copy-bound* when its copies at the raw rate take longer than the baseline step. It is
 *hideable* when its device compute can hide them: the D2H copies at the raw rate take no longer
 than the forwards' compute and the H2D copies no longer than the backwards' (compute-stream busy
-time of one traced steady baseline step, ``harness.timeline.phase_busy``: a profiler slows the
-host, not the device). A model that is neither is *host-bound*: the copies only fit because the
+time of one traced steady baseline step, ``harness.measure.timeline.phase_busy``: a profiler slows
+the host, not the device). A model that is neither is *host-bound*: the copies only fit because the
 host launches work slower than the device runs it, the step is host time, and what an
 offloader adds to it is its own host time (``--host-time`` measures that). Targets (printed
 with PASS/SHORT; nothing is asserted; step ratios are per-round medians, their range over the
@@ -69,8 +69,8 @@ Diagnosis (where a step's extra time goes):
                   per variant: ``DIR/<model>_<variant>.pt.trace.json.gz``, the phases above as
                   ``bench.*`` ranges. Traced in separate short runs (warmup steps, then the
                   traced step) after all timed rounds, so the profiler never touches a timing.
-                  Each trace is then read by ``harness.timeline``: compute-stream busy time in
-                  the device window, its idle gaps (launch-bound or waiting) and how much of the
+                  Each trace is then read by ``harness.measure.timeline``: compute-stream busy time
+                  in the device window, its idle gaps (launch-bound or waiting) and how much of the
                   DtoH/HtoD copies overlaps compute; and the host self time of each
                   variant against the baseline's (in total, and the op or range names that
                   grew most: where an offloader's extra host time goes); one line per
@@ -78,7 +78,7 @@ Diagnosis (where a step's extra time goes):
     --host-time N one more run per variant (warmup, then N steps) with the host time inside
                   each offloader entry point (group start, enter, pack, exit, commit, unpack,
                   the backward of its autograd nodes, begin_microbatch, end_iteration) on
-                  ``harness.hostclock``'s clock: ``perf_counter`` per window, no profiler (a
+                  ``harness.measure.hostclock``'s clock: ``perf_counter`` per window, no profiler (a
                   profiler inflates exactly the host time a launch-bound step is made of). One
                   line per variant with its median per step by entry point, next to its timed
                   step's increase over the baseline; ``host_time`` in bench.json.
@@ -99,10 +99,10 @@ from pathlib import Path
 
 import torch
 
-from harness import settings
 from harness.offload.pool import no_deterministic_fill
-from harness.report import HARNESS_VERSION, commit_info, machine_info, run_folder
-from harness.settings import resolve_device
+from harness.reporting.report import HARNESS_VERSION, commit_info, machine_info, run_folder
+from harness.run import settings
+from harness.run.settings import resolve_device
 from harness.tools.bench.driver import bench_one
 from harness.tools.bench.hosttime import host_time_line, host_time_one
 from harness.tools.bench.models import BENCH_MODELS, _setup, default_min_tensor_size
@@ -185,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write one torch.profiler chrome trace (CPU+CUDA) of one steady step per variant "
         "into DIR (<model>_<variant>.pt.trace.json.gz; extra runs after the timed ones) and "
-        "print its device timeline (harness.timeline)",
+        "print its device timeline (harness.measure.timeline)",
     )
     p.add_argument(
         "--host-time",
@@ -194,13 +194,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="STEPS",
         help="after the timed rounds, one more run per variant with STEPS steps after the "
         "warmup in which the host time inside each offloader entry point is clocked "
-        "(harness.hostclock; no profiler); per variant its median per step by entry point",
+        "(harness.measure.hostclock; no profiler); per variant its median per step by entry point",
     )
     return p
 
 
 def select_device(text: str) -> torch.device:
-    """``--device`` through ``harness.settings.resolve_device`` (``SettingError`` on bad input),
+    """``--device`` through ``harness.run.settings.resolve_device`` (``SettingError`` on bad input),
     made the current CUDA device: the step timer's events and synchronisations, the allocator's
     statistics and the offloaders' streams use the current device."""
     device = resolve_device(text)

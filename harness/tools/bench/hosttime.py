@@ -1,5 +1,5 @@
 """``--host-time``: one more run per variant with the host time inside each offloader entry
-point on ``harness.hostclock``'s clock (no profiler)."""
+point on ``harness.measure.hostclock``'s clock (no profiler)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from harness import hostclock
+from harness.measure import hostclock
 from harness.offload.backends import Factory
 from harness.offload.config import OffloadConfig
-from harness.spec import ModelSpec, RunSpec
 from harness.tools.bench.measure import _with_offloader
 from harness.tools.bench.models import _setup
+from harness.vocab.spec import ModelSpec, RunSpec
 
 
 def host_time_variant(
@@ -24,7 +24,7 @@ def host_time_variant(
     device: torch.device,
     warmup: int,
 ) -> dict[str, Any] | str:
-    """One run of a variant with its entry points on ``harness.hostclock``'s clock after the
+    """One run of a variant with its entry points on ``harness.measure.hostclock``'s clock after the
     warmup steps: the per-step medians, or why there are none."""
     clocked = set(range(warmup, run.steps))
     found = _with_offloader(

@@ -14,13 +14,13 @@ from typing import Any, TypeVar
 
 import torch
 
+from harness.models.train import RunHooks, last_forward_index, schedule_order, train
 from harness.offload.backends import Factory
 from harness.offload.config import OffloadConfig
 from harness.offload.protocol import Offloader
-from harness.spec import ModelSpec, RunSpec
 from harness.tools.bench.common import GB, _line, _mib
 from harness.tools.bench.phases import _Phased, _Phases, merge_breakdowns
-from harness.train import RunHooks, last_forward_index, schedule_order, train
+from harness.vocab.spec import ModelSpec, RunSpec
 
 T = TypeVar("T")
 
@@ -87,9 +87,10 @@ class VariantResult:
     trace: str | None = None
     """``--trace``: the chrome trace of one steady step, or why there is none."""
     timeline: dict[str, Any] | str | None = None
-    """``--trace``: the trace's ``harness.timeline`` figures, or why there are none."""
+    """``--trace``: the trace's ``harness.measure.timeline`` figures, or why there are none."""
     host_time: dict[str, Any] | str | None = None
-    """``--host-time``: ``harness.hostclock.HostTime`` of one extra run, or why there is none."""
+    """``--host-time``: ``harness.measure.hostclock.HostTime`` of one extra run, or why there is
+    none."""
 
     @property
     def effective_gbs(self) -> float | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.offload.config import OffloadConfig
-from harness.spec import PRESETS, ModelSpec, RunSpec, preset
+from harness.vocab.spec import PRESETS, ModelSpec, RunSpec, preset
 
 DEFAULT_NAMES = ("core_attn", "attn_proj", "expert_fc1", "moe_act", "fused_group_mlp")
 """Offloaded by default where the model opens them (not the norms or qkv: their groups span

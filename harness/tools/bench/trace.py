@@ -1,6 +1,6 @@
 """Profiler traces: ``--trace`` (one chrome trace of one steady step per variant, read by
-``harness.timeline``, host self time against the baseline's) and the device compute of a traced
-baseline step, which the copies can hide behind."""
+``harness.measure.timeline``, host self time against the baseline's) and the device compute of a
+traced baseline step, which the copies can hide behind."""
 
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ from typing import Any
 
 import torch
 
-from harness import timeline
+from harness.measure import timeline
+from harness.models.train import RunHooks, schedule_order, train
 from harness.offload.backends import Factory
 from harness.offload.config import OffloadConfig
 from harness.offload.protocol import Offloader
-from harness.spec import ModelSpec, RunSpec
 from harness.tools.bench.common import _line
 from harness.tools.bench.measure import VariantResult, _with_offloader
 from harness.tools.bench.models import _setup
 from harness.tools.bench.phases import _Phased, _Phases
-from harness.train import RunHooks, schedule_order, train
+from harness.vocab.spec import ModelSpec, RunSpec
 
 
 @contextlib.contextmanager
@@ -97,7 +97,7 @@ def baseline_compute(
     device: torch.device,
     warmup: int,
 ) -> dict[str, float] | str:
-    """The device compute of one traced steady baseline step (``harness.timeline``): the
+    """The device compute of one traced steady baseline step (``harness.measure.timeline``): the
     compute stream's busy seconds in the whole step and in its forwards and backwards, or why
     there are none. A profiler slows the host, not the device, so busy time is what an
     untraced step computes; it is what the copies can hide behind."""
@@ -153,7 +153,7 @@ def host_vs_baseline(
 ) -> None:
     """Into each variant's ``timeline`` that has host self times (``trace_timeline``): its host
     self time minus the baseline's, in total and for the ``top`` names that grew most
-    (``harness.timeline.host_increase``)."""
+    (``harness.measure.timeline.host_increase``)."""
     base = self_times.get("baseline")
     if base is None:
         return
@@ -166,8 +166,8 @@ def host_vs_baseline(
 
 
 def trace_timeline(path: Path) -> tuple[dict[str, Any] | str, dict[str, float] | None]:
-    """From one read of the trace at ``path``: ``harness.timeline``'s figures, or why there
-    are none, and its host self times (``harness.timeline.host_self_times``; None without
+    """From one read of the trace at ``path``: ``harness.measure.timeline``'s figures, or why there
+    are none, and its host self times (``harness.measure.timeline.host_self_times``; None without
     figures)."""
     try:
         trace = timeline.load_trace(path)

@@ -1,0 +1,217 @@
+"""What one case's runs produced (``CaseRun``, made by ``harness.execute.steps.run_case``) and the
+per-group comparisons the checks read from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.cases import Case
+from harness.execute.attribution import Attribution, group_differences, log_by_group
+from harness.execute.cadence import Cadence
+from harness.execute.learn import ObservedRule, expected_fields
+from harness.execute.predict import Expected
+from harness.measure.observe import Copy
+from harness.measure.syncguard import GuardedRun, HostSyncError
+from harness.measure.transfers import TransferCounts
+from harness.models.runs import TrainResult
+from harness.offload.recorder import GroupObservation
+from harness.offload.semantics import MEGATRON_MAIN, GroupKey, Semantics
+from harness.util.compare import Verdict
+
+
+@dataclass(kw_only=True)
+class CaseRun:
+    """Everything one case's runs produced; the checks in ``harness.verify.checks`` read it."""
+
+    case: Case
+    plain: TrainResult
+    hooks: TrainResult
+    offload: TrainResult
+    verdict: Verdict
+    """Offload vs the plain and hooks baselines."""
+    grad_difference: tuple[int, str, float] | None
+    """(step, parameter, max |diff|) of the first gradient not bitwise equal to plain's."""
+    weight_difference: tuple[str, float] | None
+    warmup_transfers: TransferCounts
+    """Profiler counts of the warmup step (step 0)."""
+    proof_problems: list[str]
+    observations: list[GroupObservation]
+    """What each group saved (one iteration of the hooks baseline)."""
+    expected: dict[GroupKey, Expected]
+    """Prediction per group occurrence for the final step: the steady state, or the warmup
+    when the run has one step."""
+    counts: TransferCounts
+    """Profiler counts of the final step."""
+    logged: dict[GroupKey, dict[str, int]] | None
+    """The offloader's own log of the final step (None if it keeps none)."""
+    disabled: TransferCounts
+    """Profiler counts of a step with the offloader disabled."""
+    disabled_observed: TransferCounts = field(default_factory=lambda: TransferCounts({}))
+    """The copy observer's counts of that step."""
+    attribution: Attribution | None = None
+    """Where ``counts`` and ``warmup_transfers`` came from, with the other side's counts."""
+    semantics: Semantics = MEGATRON_MAIN
+    """The copy rules the prediction used: the backend's declaration, or the rule learned from
+    its copies (``rule``)."""
+    rule: ObservedRule | None = None
+    """The rule learned from an undeclared backend's warmup and first steady step (None: it
+    declares its semantics)."""
+    runner_copies: tuple[TransferCounts, TransferCounts] | None = None
+    """Profiler counts of the plain run's first and final steps: the copies the runner makes
+    without any offloader (e.g. FSDP2's), which no offload group range can claim."""
+    per_step: tuple[TransferCounts, ...] = ()
+    """The copy observer's counts of every training step, by the harness's windows (the model's
+    own copies removed): what the every-step checks read."""
+    corrupted: tuple[tuple[int, str], ...] = ()
+    """(step, where) of every saved tensor whose reload's checksum differed from its pack-time
+    checksum in the offload run (``harness.measure.observe.checksum``), in order."""
+    checksummed: int = 0
+    """Saved tensors whose pack and unpack checksums were compared in the offload run."""
+    packed: tuple[dict[GroupKey, int], ...] = ()
+    """Per step of the offload run: saved tensors each group occurrence packed through the
+    harness's swapped pack hook (``harness.measure.observe.Observed.packed``)."""
+    unpacked: tuple[dict[GroupKey, int], ...] = ()
+    """Per step: how many of those its backward unpacked, by group occurrence."""
+    held: tuple[tuple[tuple[int, GroupKey, int], ...], ...] = ()
+    """Per step: (step written, group, bytes) of the host storages observed D2H copies wrote
+    that were still alive at the step's end (``harness.measure.observe.Observed.held``)."""
+    weight_copies: tuple[tuple[int, Copy], ...] = ()
+    """(step, copy) of every D2H in the offload run whose source is a weight: a parameter's
+    storage, a cast of a parameter a group saved, or a tensor the model marked
+    not-offloadable (``harness.measure.observe.Copy.weight``)."""
+    weights_known: int = 0
+    """Parameter storages the copy observer knew in the offload run (0: the check is blind)."""
+    d2h_watched: int = 0
+    """D2H copies the observer saw in the offload run (the model's own removed)."""
+    warmup_expected: dict[GroupKey, Expected] = field(default_factory=dict)
+    """The prediction for step 0 (the warmup); ``expected`` holds the steady one."""
+    layout: TrainResult | None = None
+    """The layout baseline, for a backend declaring contiguous reloads
+    (``harness.offload.layout``): the offload run is compared with it instead of ``plain``."""
+    plain_key: str = ""
+    """``plain_key`` of the case: rows with the same one share one plain run."""
+    plain_made_by: str = ""
+    """The case whose run trained the plain baseline (this one's name, or an earlier row's)."""
+    run_seconds: dict[str, float] = field(default_factory=dict)
+    """Host seconds of each run (``plain``, ``hooks``, ``layout``, ``offload``, ``disabled``),
+    where the case's time goes."""
+    guarded: GuardedRun | HostSyncError | None = None
+    """The host-sync check's guarded step ``GUARDED_STEP``, taken inside the offload run
+    (``guards_in_offload_run``), or the sync that stopped it (the offload run was then made
+    again without the guard); None where the check makes a run of its own."""
+    inert: str = ""
+    """Why the configuration moves nothing by design (``harness.execute.predict.inert_reason``;
+    empty: it moves something): the case then proves that nothing moved instead of the offload."""
+    cadence: Cadence | None = None
+    """Every step's reloads ordered against the group backwards around them
+    (``harness.execute.cadence``)."""
+    seconds: float = 0.0
+
+    @property
+    def baseline(self) -> TrainResult:
+        """The run the offload run must equal: the layout baseline where there is one, else
+        the plain baseline."""
+        return self.layout or self.plain
+
+    def checksum_coverage(self) -> dict[str, int]:
+        """How many of the offload run's reloads were checksummed (pack against unpack): saved
+        tensors compared, saved tensors packed in the harness's windows, and D2H offload copies
+        the observer attributed to a group over every step (what moved)."""
+        return {
+            "compared": self.checksummed,
+            "packed": sum(sum(p.values()) for p in self.packed),
+            "offload_copies": sum(c.totals()["d2h"].copies for c in self.per_step),
+        }
+
+    @property
+    def measured(self) -> dict[GroupKey, dict[str, int]]:
+        return self.counts.by_group()
+
+    def mismatches(self) -> list[str]:
+        """Group occurrences whose counted copies differ from the prediction, each with the
+        rule behind the prediction."""
+        return self._against(self.expected, self.counts, self.case.steps - 1)
+
+    def step_mismatches(self) -> list[str]:
+        """Every step but the final one (which ``mismatches`` judges by the offloader's own
+        ranges where it opens any): the harness windows' counts per group occurrence against
+        the warmup prediction in step 0 and the steady one afterwards, each with its rule."""
+        return [
+            line
+            for step, counts in enumerate(self.per_step[:-1])
+            for line in self._against(
+                self.warmup_expected if step == 0 else self.expected, counts, step
+            )
+        ]
+
+    def _against(
+        self, expected: dict[GroupKey, Expected], counts: TransferCounts, step: int
+    ) -> list[str]:
+        whys = {k: e.why for k, e in expected.items() if e.why}
+        device_type = "cuda" if counts.mode == "device" else "cpu"
+        predicted = expected_fields(expected, self.semantics, device_type)
+        return group_differences(
+            predicted,
+            counts.by_group(),
+            "predicted",
+            "measured",
+            whys,
+            f"step {step}",
+            self.case.schedule,
+        )
+
+    def step_log_mismatches(self) -> list[str]:
+        """Every step but the final one: the offloader's log of that iteration against the
+        windows' counts (offloaders that keep a log)."""
+        logs = self.offload.logs[-len(self.per_step) :] if self.per_step else []
+        if len(logs) != len(self.per_step):
+            return []
+        out = []
+        for step, (log, counts) in enumerate(zip(logs[:-1], self.per_step[:-1], strict=True)):
+            out += group_differences(
+                log_by_group(log.groups),
+                counts.by_group(),
+                "log",
+                "counted",
+                step=f"step {step}",
+                schedule=self.case.schedule,
+            )
+        return out
+
+    def log_mismatches(self) -> list[str]:
+        """Group occurrences whose logged counts differ from the profiler's."""
+        if self.logged is None:
+            return []
+        return group_differences(
+            self.logged,
+            self.measured,
+            "log",
+            "counted",
+            step=f"step {self.case.steps - 1}",
+            schedule=self.case.schedule,
+        )
+
+    def moved_names(self) -> set[str]:
+        return {name for (_, _, name), f in self.measured.items() if f["d2h_copies"]}
+
+
+def attribution_mismatches(res: CaseRun, final_step: int) -> list[str]:
+    """Where the offloader's own ranges and the harness's windows disagree (cooperating
+    backends only), per profiled step."""
+    att = res.attribution
+    if att is None or att.source != "offloader ranges":
+        return []
+    out = []
+    for label, ranged, windows in (
+        ("step 0", att.profiled[0], att.windows[0]),
+        (f"step {final_step}", att.profiled[1], att.windows[1]),
+    ):
+        out += group_differences(
+            ranged.by_group(),
+            windows.by_group(),
+            "its ranges",
+            "harness windows",
+            step=label,
+            schedule=res.case.schedule,
+        )
+    return out
