@@ -1,5 +1,5 @@
 """Four broken variants of ``my_offloader.MyOffloader``, each a bug class the harness must catch
-with a message naming the step, microbatch, layer and group (tests/test_third_party.py).
+with a message naming the step, microbatch, layer and group (tests/detection/test_third_party.py).
 
     cd examples && offload-harness run --backend my_offloader_broken:DropsOneReload
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Offloaders that declare nothing, on a GPU: the corpus of correct undeclared offloaders
-# (tests/undeclared_offloaders.py, each over the default matrix), their broken variants, the
+# (tests/helpers/undeclared_offloaders.py, each over the default matrix), their broken variants, the
 # declared backends that must pass as before (the reference, save-on-cpu), and TransformerEngine's
 # context (`te`, both implementations) where it imports. Each `run` prints the rule it learned per
 # case. Logs and reports go to $OUT (default reports/gpu-undeclared); each section has its own
@@ -9,7 +9,7 @@
 set -uo pipefail
 OUT=${OUT:-reports/gpu-undeclared}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:$PWD/tests/helpers${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 SECTIONS=${SECTIONS:-corpus broken declared te mcore}

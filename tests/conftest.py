@@ -4,7 +4,7 @@ how a run trains never reuses another test's (``harness.execute.baselines.plain_
 Each test also runs with ``OFFLOAD_HARNESS_PLOTS=0``, and so do the CLI runs and inner pytest
 sessions it starts: their reports are read through ``summary.json`` and ``junit.xml``, and
 matplotlib's import and drawing cost 2-3 s of the 2-core CPU per report. The tests of the plots
-themselves (``tests/test_report_html.py``, the CLI's report test) turn them back on
+themselves (``tests/e2e/test_report_html.py``, the CLI's report test) turn them back on
 (``plots_on``).
 
 Tests marked ``heavy`` (each starts interpreters of its own that import torch: 4-27 s on the
@@ -18,6 +18,7 @@ does) or by node id. A run without ``-m`` deselects them and says so in its summ
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,13 @@ import pytest
 
 from harness.execute.baselines import forget_plain_baselines
 from harness.run.settings import PLOTS_VARIABLE
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+"""Offloaders written for the tests and the end-to-end plumbing (``tests/README.md``): importable
+by their bare names (``--backend offloaders:Name``), here and in every process a test starts
+from this one's ``sys.path``."""
+if str(HELPERS) not in sys.path:
+    sys.path.insert(0, str(HELPERS))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,9 +50,9 @@ def _drills_in_scope(config: pytest.Config) -> bool:
     """Whether this session's paths hold the drills (``tests/`` or their file): the xdist
     controller collects nothing itself, so it reads the paths, not the items."""
     here = Path(__file__).parent
-    drills = here / "test_distributed.py"
+    drills = here / "e2e" / "test_distributed.py"
     return not hasattr(config, "workerinput") and any(
-        Path(arg).resolve() in (here, drills) for arg in config.args
+        Path(arg).resolve() in (here, drills.parent, drills) for arg in config.args
     )
 
 

@@ -12,7 +12,7 @@ copy still in flight.
 reproduces (a public bug report or a peer test's blind spot), whether CPU can show it, and its
 CUDA race delays. The default-matrix cases and checks that catch each are the verify side's
 (``harness.verify.detection.CATALOGUE``), which ``scripts/mutation_score`` and
-``tests/test_detection.py`` read.
+``tests/detection/test_detection.py`` read.
 """
 
 from __future__ import annotations

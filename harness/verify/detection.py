@@ -3,8 +3,8 @@
 The broken offloaders themselves (``harness.offload.broken``) are offloaders and know nothing of
 the case table or the checks; this module, on the verify side, pairs each with the rows and
 checks that catch it (catchers first, in the order to try them) and the problem pattern a failure
-must match to count as its catch. ``scripts/mutation_score`` and ``tests/test_detection.py`` read
-``CATALOGUE``.
+must match to count as its catch. ``scripts/mutation_score`` and
+``tests/detection/test_detection.py`` read ``CATALOGUE``.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def first_match(pattern: re.Pattern[str], problems: Iterable[str]) -> str | None
 
 
 # The default-matrix rows the catalogue names, by their fields (a row's id is derived from them;
-# tests/test_broken.py checks that each is a row of the default matrix).
+# tests/detection/test_broken.py checks that each is a row of the default matrix).
 SEED = Case(family="hybrid", offload=("core_attn", "attn_proj"), precision="bf16")
 ATTENTION_1F1B = Case(
     family="hybrid",

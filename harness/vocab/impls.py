@@ -31,7 +31,8 @@ class ModelImpl:
     trainer: str
     """``module:function`` of its ``harness.models.runs.Trainer``, the function training one run
     (``harness.models.train.train`` dispatches to it). A path, not the function: this table imports
-    no torch, and it is below ``harness.models.runs`` in the layers (``tests/test_layers.py``)."""
+    no torch, and it is below ``harness.models.runs`` in the layers
+    (``tests/unit/test_layers.py``)."""
     schedules: tuple[str, ...]
     shardings: tuple[str, ...]
     eval_first: bool

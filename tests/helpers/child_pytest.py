@@ -2,7 +2,7 @@
 ``pytester.runpytest_subprocess``): without the cache provider, and without Hypothesis's own
 pytest plugin, which imports all of Hypothesis (about 1 s of the 2-core CPU) in every session's
 terminal summary. No child session runs a Hypothesis test (``cases/`` has none; only
-``tests/test_offload_roundtrip.py`` uses Hypothesis, in the parent session)."""
+``tests/unit/test_offload_roundtrip.py`` uses Hypothesis, in the parent session)."""
 
 from __future__ import annotations
 

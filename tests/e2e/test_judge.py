@@ -1,7 +1,7 @@
 """The one judge (``harness.verify.judge``): outcomes and verdicts, and the proof that pytest's case
 files and ``offload-harness run`` decide every check of a case identically (on one case, with a
 broken offloader and with the correct one: pytest in a subprocess, ``run`` in this process
-through its ``main``, as ``tests/test_cli.py`` runs it; its cases run in worker processes
+through its ``main``, as ``tests/e2e/test_cli.py`` runs it; its cases run in worker processes
 either way)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from harness.cases import find_case
 from harness.reporting.report import CHECK_COLUMNS
 from harness.verify.judge import CASE_TESTS, CHECKS, CheckOutcome, Judgement
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CASE = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
 
 

@@ -28,7 +28,7 @@ from harness.offload.reference import OffloadContext
 
 pytest_plugins = ["pytester"]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PLUGINS = ("-p", "harness.plugin")
 
 

@@ -34,7 +34,7 @@ from harness.util import distributed
 
 pytest_plugins = ["pytester"]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 
 
@@ -80,8 +80,8 @@ def _two_rank_worker(rank: int, store_path: str, out: str) -> None:
 
 
 def test_helpers_across_two_gloo_ranks(tmp_path: Path) -> None:
-    # forked from the forkserver that imported torch once (the harness's and tests/warm.py's),
-    # not two interpreters importing it again
+    # forked from the forkserver that imported torch once (the harness's and
+    # tests/helpers/warm.py's), not two interpreters importing it again
     args = (str(tmp_path / "store"), str(tmp_path))
     mp.start_processes(_two_rank_worker, args=args, nprocs=2, start_method="forkserver")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

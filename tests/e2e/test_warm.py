@@ -1,4 +1,5 @@
-"""``tests/warm.py``: a forked child runs a ``python -m`` command as a fresh interpreter would -
+"""``tests/helpers/warm.py``: a forked child runs a ``python -m`` command as a fresh interpreter
+would -
 exit status, separate output streams, working directory, environment, ``PYTHONPATH``, Ctrl-C -
 and a command it cannot run that way gets a fresh interpreter."""
 

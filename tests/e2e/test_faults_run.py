@@ -140,7 +140,7 @@ def test_ctrl_c_exits_130_within_3_s_with_a_valid_summary(tmp_path: Path) -> Non
         text=True,
         # as a terminal starts it: this session may run where SIGINT is ignored (a shell's
         # background job), which the child would inherit and never see the Ctrl-C; on this
-        # test process's share of the cores (tests/warm.py)
+        # test process's share of the cores (tests/helpers/warm.py)
         preexec_fn=warm.confine_interruptible,
     )
     # Cases running: the run's start line (its pool made, the cases queued) and a worker

@@ -1,5 +1,5 @@
 """Offloaders that fail the way real ones do, as small test backends (``--backend
-offloaders:Name``): each provokes one row of ``tests/test_faults_run.py``'s fault table."""
+offloaders:Name``): each provokes one row of ``tests/e2e/test_faults_run.py``'s fault table."""
 
 from __future__ import annotations
 

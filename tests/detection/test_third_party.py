@@ -32,7 +32,7 @@ from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.verify.judge import judge
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CPU = torch.device("cpu")
 ROW = Case(family="hybrid", offload=("core_attn", "attn_proj"), custom_pattern="+-+-")
 BF16_ROW = SEED_CASE  # +-+-+-, bf16: the row where the layout change shows on CPU

@@ -41,7 +41,7 @@ from harness.offload.config import OffloadConfig
 from harness.offload.recorder import RecordingOffloader
 from harness.vocab.spec import ModelSpec, gpt_layers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYTEST = tuple(pytest_command("-q", "--report-dir", ""))
 
 

@@ -15,7 +15,7 @@ from child_pytest import HYPOTHESIS_PLUGIN, pytest_command
 
 pytest_plugins = ["pytester"]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 WORKERS_ONLY = ("-p", "no:harness.plugin", "-p", "harness.plugin.workers")
 """The xdist defaults alone: without the rest of the installed plugin (which imports torch,
@@ -105,7 +105,7 @@ def test_a_case_row_under_n_reaches_its_report_entry(tmp_path: Path) -> None:
     suffix is there with any worker count (asserted below through ``-rA``'s node ids)."""
     import json
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     seed = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
     out = warm.run(
         pytest_command(

@@ -282,7 +282,7 @@ def test_breakdown_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_trace_timeline_of_a_device_trace(tmp_path: Path) -> None:
     """A trace with device events: its ``harness.measure.timeline`` figures and summary line (the
-    figures themselves: tests/test_timeline.py); an unreadable one: why, in one line."""
+    figures themselves: tests/unit/test_timeline.py); an unreadable one: why, in one line."""
     kernel = {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 0, "dur": 100}
     copy = {**kernel, "cat": "gpu_memcpy", "name": "Memcpy DtoH", "tid": 9, "dur": 50}
     copy["args"] = {"bytes": 2**20}

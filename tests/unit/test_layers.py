@@ -254,7 +254,9 @@ def _sources() -> dict[str, tuple[str, bool]]:
 def test_every_module_has_a_layer() -> None:
     modules = set(harness_modules())
     missing = sorted(modules - set(LAYER))
-    assert not missing, f"modules without a layer (place them in tests/test_layers.py): {missing}"
+    assert not missing, (
+        f"modules without a layer (place them in tests/unit/test_layers.py): {missing}"
+    )
     gone = sorted(set(LAYER) - modules)
     assert not gone, f"LAYER names modules that do not exist: {gone}"
     assert set(LAYER.values()) <= {*ORDER, REPORTING}

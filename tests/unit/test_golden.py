@@ -25,7 +25,7 @@ from harness.measure.fingerprint import UNKNOWN, Fingerprint
 from harness.models import layers
 from harness.verify import golden
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _fp(**changes: str) -> Fingerprint:

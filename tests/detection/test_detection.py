@@ -7,7 +7,7 @@ In process, through the judge. The catalogue's cases run in this process through
 ``harness.verify.judge.judge``: the one judge that decides every check for pytest's case files
 (``cases/``, through the plugin's ``case_check``), for ``offload-harness run`` and for mutation
 scoring, so a case the judge fails here is a case test that fails under pytest and a case that
-``run`` reports failed (``tests/test_judge.py::test_pytest_and_run_decide_every_check_alike``
+``run`` reports failed (``tests/e2e/test_judge.py::test_pytest_and_run_decide_every_check_alike``
 checks that pytest's case files and ``offload-harness run`` give every check the same status).
 A broken offloader runs its entry's catcher cases in the catalogue's order and stops at the
 first one with a failing check, as ``-x`` over its catcher tests would. The failing check must
@@ -70,7 +70,7 @@ from harness.vocab.spec import ALL_GROUP_NAMES
 
 pytest_plugins = ["pytester"]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 NAMES_A_GROUP = re.compile(r"\b(" + "|".join(ALL_GROUP_NAMES) + r")\b")
 

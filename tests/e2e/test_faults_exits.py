@@ -1,6 +1,6 @@
 """Fault injection for how ``offload-harness run`` ends (CPU), one test per row of issue #47's
 table: every run ends, every report survives, every error says where. The offloaders that
-provoke the rows are the small backends of ``tests/offloaders.py``."""
+provoke the rows are the small backends of ``tests/helpers/offloaders.py``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from harness.cli import main
 pytest_plugins = ["pytester"]
 
 HERE = Path(__file__).resolve().parent
+HELPERS = HERE.parent / "helpers"
 ZERO3 = (
     "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16_zero3",
     "hybrid-moe-+E+-+E_expert_fc1+moe_act_1f1b_bf16_inflight-none_zero3",
@@ -34,8 +35,10 @@ SMALL = ["--pattern", "+-", "--offload", "core_attn", "--steps", "2", "--microba
 
 @pytest.fixture
 def backends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A folder to run in, with ``tests/offloaders.py`` importable by the run."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE.parent), str(HERE), *sys.path]))
+    """A folder to run in, with ``tests/helpers/offloaders.py`` importable by the run."""
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(HERE.parents[1]), str(HELPERS), *sys.path])
+    )
     return tmp_path
 
 
@@ -498,7 +501,7 @@ def test_a_pytest_session_ends_past_a_thread_nobody_joins(backends: Path) -> Non
 def test_under_pytest_an_offloader_error_fails_one_test_naming_where(backends: Path) -> None:
     """The pytest path of the same judge: the first case test that reads the failed run fails
     with the exception and where it was raised; the case's other tests skip, pointing to it."""
-    root = HERE.parent / "cases"
+    root = HERE.parents[1] / "cases"
     tests = [
         f"{root}/test_equivalence.py::test_loss_equivalence[{CASE}]",
         f"{root}/test_equivalence.py::test_no_leaks[{CASE}]",
@@ -517,7 +520,7 @@ def test_under_pytest_an_offloader_error_fails_one_test_naming_where(backends: P
 
 @pytest.mark.heavy
 def test_under_pytest_kept_references_pass_the_zero3_transfer_tests(backends: Path) -> None:
-    root = HERE.parent / "cases"
+    root = HERE.parents[1] / "cases"
     tests = [f"{root}/test_transfers.py::test_transfer_counts[{name}]" for name in ZERO3]
     done = _child_pytest(backends, [*tests, "--backend", "offloaders:Keep"])
     out = done.stdout + done.stderr

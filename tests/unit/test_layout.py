@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _import_graph() -> dict[str, set[str]]:
@@ -74,7 +74,7 @@ def test_every_package_is_listed_for_the_wheel() -> None:
     subpackage must be added there or the wheel lacks it."""
     import tomllib
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     listed = set(
         tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     )

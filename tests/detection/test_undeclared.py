@@ -4,7 +4,8 @@
 * ``learn`` on hand-built observations finds each freedom the protocol leaves (skip rule, size
   threshold, view copy, CPU hand-back, occurrence policy) and says which ones a case cannot
   decide; copies no single rule explains are named as such;
-* the corpus of correct undeclared offloaders (``tests/undeclared_offloaders.py``, six styles)
+* the corpus of correct undeclared offloaders (``tests/helpers/undeclared_offloaders.py``, six
+styles)
   passes every check with no ``Capabilities``, and the rule it was held to is in the report;
 * each broken variant of them is caught, by the check that should catch it, for its reason;
 * a declared backend is judged against its declaration as before, and the same backend with its
