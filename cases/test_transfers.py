@@ -5,8 +5,9 @@ baseline,
 the selection and the policies), never from the offloader's own log; the log must then agree
 with the profiler. A run with the offloader disabled must copy nothing; no copy may use
 pageable host memory; only selected groups may move; no weight may ever be copied out.
-Decided by ``harness.verify.judge`` (checks ``transfers``, ``disabled``, ``fidelity`` and
-``weights``)."""
+No reload may be issued earlier than the prefetch rule allows (``cadence``). Decided by
+``harness.verify.judge`` (checks ``transfers``, ``disabled``, ``fidelity``, ``weights`` and
+``cadence``)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,8 @@ def test_name_fidelity(case: Case, case_check: Callable[[str, Case], None]) -> N
 def test_no_weight_offloaded(case: Case, case_check: Callable[[str, Case], None]) -> None:
     """No parameter storage, cast of one or marked tensor is copied out, in any step."""
     case_check("weights", case)
+
+
+def test_reload_cadence(case: Case, case_check: Callable[[str, Case], None]) -> None:
+    """No reload comes earlier than the declared or learned prefetch rule allows."""
+    case_check("cadence", case)

@@ -102,6 +102,10 @@ class Case:
     0: none."""
     delta_bytes: int = 0
     """``delta_offload_bytes_across_pp_ranks``: bytes per pipeline rank kept on the device."""
+    pool_cap: int | None = None
+    """``pinned_pool_buffers``: the most host buffers the pinned pool holds (None: no cap). A
+    row with a cap below what a step needs must see the pool exhausted, and handled (the
+    offloader's log counts it), every loss still bitwise."""
     min_ranks: int = 1
     """Fewest ranks (torchrun ``WORLD_SIZE``) the case needs; below it, it skips at collection."""
     custom_pattern: str | None = None
@@ -171,6 +175,8 @@ class Case:
             parts.append(f"min-{self.min_tensor_size}")
         if self.delta_bytes:
             parts.append(f"delta-{self.delta_bytes}")
+        if self.pool_cap is not None:
+            parts.append(f"pool-{self.pool_cap}")
         if self.recompute:
             parts.append(f"recompute-{self.recompute}")
         if self.cuda_graph:
@@ -223,6 +229,7 @@ class Case:
             activation_offload_fraction=self.fraction,
             max_inflight_offloads=self.max_inflight,
             delta_offload_bytes_across_pp_ranks=self.delta_bytes,
+            pinned_pool_buffers=self.pool_cap,
         )
 
     def replace(self, **changes: Any) -> Case:
@@ -358,6 +365,62 @@ PIPELINE_ROWS: tuple[Case, ...] = (
 )
 """Rows of the ``interleaved`` schedule (``harness.models.train.interleaved_order``): the default
 matrix has the first, the full one all."""
+
+
+CADENCE_ROWS: tuple[Case, ...] = (
+    Case(
+        family="hybrid",
+        offload=ATTENTION_NAMES,
+        schedule="1f1b",
+        microbatches=3,
+        precision="bf16",
+        fraction=0.5,
+        description="activation_offload_fraction 0.5 under 1F1B with 3 microbatches: groups kept "
+        "on the device still take a reload slot in Megatron's rule, so reloads run ahead of "
+        "their backward (Megatron-LM #7575); the cadence check holds every step to the rule",
+    ),
+    SEED_CASE.replace(
+        pool_cap=2,
+        description="the pinned pool capped at 2 buffers, below what a step needs: exhausted, "
+        "handled with buffers outside the pool, every loss bitwise (PaddleFleet #1877)",
+    ),
+    SEED_CASE.replace(
+        min_tensor_size=1 << 30,
+        description="min_offloaded_tensor_size above every saved activation: inert, nothing "
+        "eligible, and nothing may move (PaddleFleet #1877)",
+    ),
+)
+"""Rows of when reloads happen and of the configurations that bound or disable the offload:
+partial offload under 1F1B, a pinned pool too small for the step, a threshold that makes the
+configuration inert. The default matrix has these; the full one also ``FULL_CADENCE_ROWS``."""
+
+FULL_CADENCE_ROWS: tuple[Case, ...] = (
+    Case(
+        family="hybrid",
+        offload=("core_attn", "attn_proj"),
+        precision="bf16",
+        fraction=0.5,
+        description="activation_offload_fraction 0.5, sequential schedule",
+    ),
+    Case(
+        family="hybrid",
+        offload=ATTENTION_NAMES,
+        schedule="interleaved",
+        microbatches=4,
+        precision="bf16",
+        fraction=0.5,
+        description="activation_offload_fraction 0.5 under the interleaved schedule",
+    ),
+    Case(
+        family="moe",
+        offload=("qkv_linear", "core_attn", "attn_proj"),
+        schedule="1f1b",
+        microbatches=3,
+        pool_cap=4,
+        description="the pinned pool capped at 4 buffers under 1F1B with 3 microbatches",
+    ),
+)
+"""The full matrix's further cadence, fraction and pool rows."""
 
 
 _MCORE_SLACK = dict(
@@ -532,15 +595,27 @@ def full_matrix() -> list[Case]:
                         max_inflight=inflight,
                     )
                 )
-    return rows + list(DETECTION_ROWS) + list(PIPELINE_ROWS) + zero3_rows(full=True)
+    return (
+        rows
+        + list(DETECTION_ROWS)
+        + list(PIPELINE_ROWS)
+        + list(CADENCE_ROWS + FULL_CADENCE_ROWS)
+        + zero3_rows(full=True)
+    )
 
 
 def default_matrix() -> list[Case]:
     """The seed case, then one row per (family, offload set) cycling the other axes, then the
-    detection rows, the seed's row under the interleaved schedule, then the seed's and one MoE
-    row under ZeRO-3."""
+    detection rows, the seed's row under the interleaved schedule, the cadence rows (fraction,
+    pool cap, inert), then the seed's and one MoE row under ZeRO-3."""
     rows = [SEED_CASE, *(r for r in _cycled_rows() if r.name != SEED_CASE.name)]
-    return rows + list(DETECTION_ROWS) + list(PIPELINE_ROWS[:1]) + zero3_rows(full=False)
+    return (
+        rows
+        + list(DETECTION_ROWS)
+        + list(PIPELINE_ROWS[:1])
+        + list(CADENCE_ROWS)
+        + zero3_rows(full=False)
+    )
 
 
 MATRICES = {"default": default_matrix, "full": full_matrix}

@@ -46,6 +46,7 @@ from harness.reporting.plots import preload_plotting
 from harness.reporting.report import (
     REPORT_INCOMPLETE,
     claim_run_folder,
+    inert_reason,
     is_failure,
     skip_reason,
     summary_text,
@@ -418,8 +419,12 @@ def _print_outcome(summary: dict[str, Any], total: int, where: str) -> int:
     skipped = [c for c in summary["cases"] if c["verdict"] == "skip"]
     for case in skipped:
         print(f"\nSKIP {case['name']}: {skip_reason(case)}")
-    passed = total - failed - len(skipped)
+    inert = [c for c in summary["cases"] if c["verdict"] == "inert"]
+    for case in inert:
+        print(f"\nINERT {case['name']}: {inert_reason(case)}")
+    passed = total - failed - len(skipped) - len(inert)
     also = f", {len(skipped)} skipped" if skipped else ""
+    also += f", {len(inert)} inert (configured to move nothing)" if inert else ""
     print(f"\n{passed}/{total} cases passed{also} in {summary['seconds']:.1f}s; {where}")
     return failed
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from harness.cases import Case
 from harness.execute.attribution import Attribution, group_differences, log_by_group
+from harness.execute.cadence import Cadence
 from harness.execute.learn import ObservedRule, expected_fields
 from harness.execute.predict import Expected
 from harness.measure.observe import Copy
@@ -98,6 +99,12 @@ class CaseRun:
     """The host-sync check's guarded step ``GUARDED_STEP``, taken inside the offload run
     (``guards_in_offload_run``), or the sync that stopped it (the offload run was then made
     again without the guard); None where the check makes a run of its own."""
+    inert: str = ""
+    """Why the configuration moves nothing by design (``harness.execute.predict.inert_reason``;
+    empty: it moves something): the case then proves that nothing moved instead of the offload."""
+    cadence: Cadence | None = None
+    """Every step's reloads ordered against the group backwards around them
+    (``harness.execute.cadence``)."""
     seconds: float = 0.0
 
     @property

@@ -17,7 +17,10 @@ both exactly:
 * which occurrences move: every selected one every step, Megatron's warmup and steady-state
   policies with the configuration's parameters, or all but the last few of each pass (as
   TransformerEngine keeps its last layer);
-* whether reloads keep the saved strides (read at every unpack by ``harness.measure.observe``).
+* whether reloads keep the saved strides (read at every unpack by ``harness.measure.observe``);
+* how far ahead of their group's backward reloads are issued: the least prefetch depth that
+  allows every reload of the learning steps (``harness.execute.cadence``), held on every later step
+  by the cadence check.
 
 Every later step, microbatch and pass is then held to that rule exactly as a declared rule is
 held (``harness.execute.caserun.CaseRun.step_mismatches``). Copies that no single rule explains - a
@@ -53,6 +56,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from harness.execute.attribution import COUNTER_FIELDS
+from harness.execute.cadence import measured_depth, step_events
 from harness.execute.predict import Expected, group_copies, kept_decisions
 from harness.measure.copyobserver import Observed
 from harness.offload.config import OffloadConfig
@@ -161,7 +165,32 @@ def learn_from_steps(
     mode = "device" if device_type == "cuda" else "cpu"
     learning = [steps[s].counts(mode).by_group() for s in LEARNING_STEPS if s < len(steps)]
     relaid = any(o.relaid for o in steps)
-    return learn(observations, config, order, learning, device_type, relaid)
+    rule = learn(observations, config, order, learning, device_type, relaid)
+    depth = max(
+        (
+            measured_depth(step_events(steps[s], config.selected))
+            for s in LEARNING_STEPS
+            if s < len(steps)
+        ),
+        default=0,
+    )
+    return with_prefetch_depth(rule, depth)
+
+
+def with_prefetch_depth(rule: ObservedRule, depth: int) -> ObservedRule:
+    """``rule`` holding later steps to the prefetch depth its learning steps showed: the least
+    depth that allows every reload of steps 0 and 1 (``harness.execute.cadence.measured_depth``; 0
+    when no reload came ahead of its group's backward)."""
+    ahead = (
+        "reloads at its group's backward (never ahead)"
+        if depth == 0
+        else f"reloads at most {depth} group(s) ahead of their backward"
+    )
+    return dataclasses.replace(
+        rule,
+        semantics=dataclasses.replace(rule.semantics, prefetch_depth=depth),
+        line=f"{rule.line}, {ahead}",
+    )
 
 
 Fields = tuple[int, int, int, int]

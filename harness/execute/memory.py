@@ -15,6 +15,14 @@ from typing import Any
 import torch
 
 from harness.cases import Case
+from harness.execute.backwardpeak import (
+    NESTING,
+    BackwardReading,
+    BackwardSampler,
+    Sample,
+    backward_problems,
+    predicted_drops,
+)
 from harness.execute.baselines import BASELINES, Baselines, plain_key
 from harness.execute.environment import Environment, closing
 from harness.execute.predict import (
@@ -84,6 +92,8 @@ class MemoryResult:
     """The ``plain_key`` the baseline reading was read for (rows with one key share it)."""
     baseline_made_by: str = ""
     """The case whose memory check read it."""
+    backward: BackwardReading | None = None
+    """The final step's backward at the group boundaries (``harness.execute.backwardpeak``)."""
 
     @property
     def requested_drop(self) -> int:
@@ -129,7 +139,40 @@ def run_memory(
         shared = memory_baseline(case, env, baselines)
         with closing(env.offloader(config)) as offloader:
             off = _memory_run(spec, run, offloader, env.device, predicted.last_mb, case.sharding)
-    return _memory_result(case, predicted, shared, off)
+    result = _memory_result(case, predicted, shared, off)
+    result.backward = _backward_reading(case, run, observations, semantics, shared.reading, off)
+    return result
+
+
+def _backward_reading(
+    case: Case,
+    run: RunSpec,
+    observations: list[GroupObservation],
+    semantics: Semantics,
+    base: _MemoryReading,
+    off: _MemoryReading,
+) -> BackwardReading:
+    """The two runs' backward boundaries against the predicted drops (none for rows whose
+    selected groups nest, see ``harness.execute.backwardpeak``)."""
+    reading = BackwardReading(baseline=base.samples, offload=off.samples, predicted=None)
+    nesting = sorted(NESTING & set(case.offload))
+    if not off.samples:
+        reading.why_not = "no group boundary was marked (the model drives its groups itself)"
+        return reading
+    if nesting:
+        reading.why_not = f"{', '.join(nesting)} span other groups: not predicted"
+    elif [s[:2] for s in base.samples] == [s[:2] for s in off.samples]:
+        config = case.offload_config()
+        order = schedule_order(run.schedule, run.microbatches)
+        warmup, steady = predict(observations, config, order, semantics)
+        expected = warmup if run.steps == 1 else steady
+        reading.predicted = predicted_drops(
+            off.samples, observations, expected, order, config, semantics
+        )
+    reading.problems = backward_problems(reading)
+    if reading.predicted is None and not nesting:
+        reading.problems = ["the baseline's and the offload run's backward group boundaries differ"]
+    return reading
 
 
 @dataclass(frozen=True)
@@ -269,6 +312,8 @@ class _MemoryReading:
     floor_freed: tuple[int, int]
     replaced: Counter[int]
     sites: dict[int, str]
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    """``memory_allocated`` at each group boundary of the final step's backward."""
 
 
 Block = tuple[int, int]
@@ -393,6 +438,7 @@ def _memory_run(
 ) -> _MemoryReading:
     seen: dict[str, Any] = {}
     last = run.steps - 1
+    sampler = BackwardSampler(offloader, device)
     _settled(device)
     floor = _live_blocks(device)
 
@@ -423,11 +469,14 @@ def _memory_run(
             live = _live_blocks(device)
             kept = sum(block[0] for address, block in floor.items() if live.get(address) == block)
             torch.cuda.reset_peak_memory_stats(device)
+            sampler.armed = True
         yield
         if step == last:
             torch.cuda.synchronize(device)
             seen["peak"] = torch.cuda.max_memory_allocated(device) - kept
+            sampler.armed = False
+            seen["samples"] = [(kind, key, n - kept) for kind, key, n in sampler.samples]
 
     hooks = RunHooks(step_context=step_context, after_forward=after_forward)
-    train(spec, run, offloader, device, hooks=hooks, sharding=sharding)
+    train(spec, run, sampler, device, hooks=hooks, sharding=sharding)
     return _MemoryReading(**seen)

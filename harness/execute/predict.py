@@ -335,3 +335,25 @@ def freed_storages(
             if info.storage_id in expected[key].freed_storages:
                 sizes[(obs.microbatch, info.storage_id)] = info.storage_nbytes
     return sizes
+
+
+def inert_reason(
+    observations: Sequence[GroupObservation],
+    config: OffloadConfig,
+    expected: Sequence[dict[GroupKey, Expected]],
+) -> str:
+    """Why the configuration offloads nothing by design (empty: it moves something): the
+    prediction moves nothing in any step (``expected``: warmup, steady) and the configuration's
+    ``min_offloaded_tensor_size`` exceeds every activation the selected groups save on the
+    device. Such a case is *inert*: it must move nothing, and no proof of offload applies."""
+    if any(e.copies for step in expected for e in step.values()):
+        return ""
+    sizes = [s.numel for o in observations for s in o.saved if s.on_device and not s.parameter]
+    threshold = config.min_offloaded_tensor_size
+    if not sizes or max(sizes) >= threshold:
+        return ""
+    return (
+        f"inert: nothing eligible (each of the {len(sizes)} activations the selected groups save "
+        f"has fewer than min_offloaded_tensor_size {threshold} elements; the largest "
+        f"{max(sizes)})"
+    )

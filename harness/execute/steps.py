@@ -46,10 +46,11 @@ from harness.execute.baselines import (
     sharing_groups,
     sharing_key,
 )
+from harness.execute.cadence import Cadence, run_cadence
 from harness.execute.caserun import CaseRun, attribution_mismatches
 from harness.execute.environment import Environment, closing
 from harness.execute.learn import ObservedRule, learn_from_steps
-from harness.execute.predict import Expected, predict
+from harness.execute.predict import Expected, inert_reason, predict
 from harness.measure.observe import Observed, Windowed, corrupted_reloads
 from harness.measure.syncguard import (
     GUARDED_STEP,
@@ -73,6 +74,7 @@ from harness.util.compare import (
     verdict,
 )
 from harness.vocab.impls import IMPLS
+from harness.vocab.spec import pass_label
 
 __all__ = [
     "BASELINES",
@@ -395,7 +397,24 @@ class _CaseSteps:
             plain_made_by=runs.shared.made_by,
             run_seconds=self.seconds,
             guarded=runs.guarded,
+            cadence=self.cadence(mine),
+            inert=inert_reason(self.observations, self.config, [self.warmup, self.steady]),
             seconds=time.perf_counter() - start,
+        )
+
+    def cadence(self, mine: list[Observed]) -> Cadence:
+        """Every step's reloads ordered against the group backwards around them, held to the
+        declared or learned rule (``harness.execute.cadence``)."""
+        assert self.semantics is not None
+        schedule = self.case.schedule
+        return run_cadence(
+            self.observations,
+            self.order,
+            mine,
+            [self.warmup, self.steady],
+            self.semantics,
+            self.case.offload,
+            lambda p: pass_label(p, schedule),
         )
 
 

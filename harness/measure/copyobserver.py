@@ -5,6 +5,7 @@ docstring; the windows it reads are that module's, which re-exports every name."
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections import Counter, defaultdict
@@ -67,6 +68,9 @@ class Copy:
     """D2H only: the weight its source is (``parameter <name>``, ``a bf16 cast of parameter
     <name>`` saved by a group, or ``a tensor the model marked not-offloadable``); None for an
     activation."""
+    seq: int = -1
+    """Its place in the step's sequence of copies and backward marks (``Observed.marks``):
+    what the cadence check (``harness.execute.cadence``) orders reloads by."""
 
 
 @dataclass(kw_only=True)
@@ -92,6 +96,15 @@ class Observed:
     step wrote that is still alive at this step's end (after its iteration ended): the host
     memory the offloader holds across iterations."""
 
+    marks: list[tuple[int, str, GroupKey]] = field(default_factory=list)
+    """(seq, ``start`` or ``end``, group occurrence): where each group occurrence's backward
+    started (the gradient of its window's output arrived) and ended (the gradient of its
+    window's input is complete), in the same sequence as ``Copy.seq``; the harness's own
+    autograd hooks, no cooperation from the offloader."""
+    commits: list[GroupKey] = field(default_factory=list)
+    """Group occurrences in the order their commits returned in the step's forwards (groups
+    nest: attn_norm starts before the attention groups and commits after them), the order
+    Megatron's rule reloads in, last committed first."""
     ranged: list[tuple[RangeKey, int]] = field(default_factory=list)
     """On a CPU device: every copy op issued inside one of the offloader's own ranges
     (``harness.offload.ranges.profiler_range``), with the destination's bytes, keyed by the
@@ -178,7 +191,12 @@ class Observed:
             else:
                 kept.append(copy)
         return Observed(
-            copies=kept, ranged=self.ranged, _compared=self._compare(), relaid=self.relaid
+            copies=kept,
+            ranged=self.ranged,
+            _compared=self._compare(),
+            relaid=self.relaid,
+            marks=self.marks,
+            commits=self.commits,
         )
 
 
@@ -261,6 +279,17 @@ class CopyObserver(TorchDispatchMode):
         """Storages of saved tensors that are casts of a parameter (a bf16 shadow made for the
         forward), as ``state.weights``."""
         self.lock = threading.Lock()
+        self._seq = itertools.count()
+
+    def committed(self, key: GroupKey) -> None:
+        """Group occurrence ``key``'s commit returned (``Observed.commits``)."""
+        with self.lock:
+            self.observed.commits.append(key)
+
+    def mark_backward(self, kind: str, key: GroupKey) -> None:
+        """Group occurrence ``key``'s backward started or ended (``Observed.marks``)."""
+        with self.lock:
+            self.observed.marks.append((next(self._seq), kind, key))
 
     def _saved_group(self, tensor: torch.Tensor) -> GroupKey | None:
         """The group that saved ``tensor``'s storage while the tensor it noted still owns that
@@ -396,8 +425,9 @@ class CopyObserver(TorchDispatchMode):
         pageable: bool,
         weight: str | None = None,
     ) -> None:
+        seq = next(self._seq)
         self.observed.copies.append(
-            Copy(direction, op, _nbytes(dst), group, pageable, threading.get_ident(), weight)
+            Copy(direction, op, _nbytes(dst), group, pageable, threading.get_ident(), weight, seq)
         )
 
 

@@ -33,6 +33,13 @@ How a copy is attributed to a group occurrence
     still the prefetched group's; an H2D from memory no observed D2H wrote is ``outside``.
     Bytes are the destination's ``numel * element_size``.
 
+Backward marks: in an observed step each window also hangs an autograd hook on the group's input
+(``end``: its gradient is complete, the group's backward is over) and on its commit's output
+(``start``: its gradient arrived, the group's backward begins), and notes each commit in order;
+the observer numbers the marks with the copies (``Observed.marks``, ``Observed.commits``,
+``Copy.seq``), which the cadence check (``harness.execute.cadence``) orders reloads by. The hooks
+return nothing, so no gradient changes.
+
 Weights: ``Windowed.note_model`` (the ``model_ready`` run hook) gives the observer every
 parameter's storage when the run's model is built; a D2H whose source lies in one, in a cast of a
 parameter a group saved (its autograd node a copy of the parameter), or in a tensor the model
@@ -188,12 +195,42 @@ def _locating(unpack: Any, state: _WindowState, key: GroupKey) -> Any:
     return unpacked
 
 
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    """A group's output as its commit marks it: the tensor, or a tuple's or list's first."""
+    if isinstance(output, tuple | list):
+        output = output[0] if output else None
+    return output if isinstance(output, torch.Tensor) else None
+
+
+def mark_backward(state: _WindowState, tensor: Any, kind: str, key: GroupKey) -> None:
+    """Have the observed step note where ``key``'s backward starts (``kind`` ``start``: a hook
+    on the window's output, run when its gradient arrives, before any of the group's backward)
+    or ends (``end``: a hook on the window's input, run when its gradient is complete, after the
+    whole group's backward). The hook returns nothing, so it changes no gradient; a tensor that
+    needs no gradient gets none (that group's backward is then not ordered)."""
+    observer = state.observer
+    if observer is not None and kind == "start":
+        observer.committed(key)
+    if observer is None or not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+        return
+    if not torch.is_grad_enabled():
+        return
+
+    def hook(grad: torch.Tensor) -> None:
+        live = state.observer
+        if live is not None:
+            live.mark_backward(kind, key)
+
+    tensor.register_hook(hook)
+
+
 class _WindowGroup:
     """The inner offloader's group, with the harness's window around its forward."""
 
     def __init__(self, inner: Group, state: _WindowState, key: GroupKey) -> None:
         self.inner, self.state, self.key = inner, state, key
         self.closed = False
+        mark_backward(state, inner.input, "end", key)
 
     @property
     def input(self) -> torch.Tensor:
@@ -265,12 +302,14 @@ class _WindowGroup:
 
     def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
         try:
-            return self.inner.commit(output, release)
+            out = self.inner.commit(output, release)
         except Exception as exc:
             self.state.locate(exc, "commit", "commit", self.key)
             raise
         finally:
             self.close()
+        mark_backward(self.state, _first_tensor(out), "start", self.key)
+        return out
 
     def close(self) -> None:
         if self.closed:
@@ -358,13 +397,22 @@ class Windowed(Wrapper):
             self.state.open.append(key)
         return key
 
-    def window_committed(self, name: str) -> None:
-        """The latest open occurrence of ``name`` committed."""
+    def window_input(self, key: GroupKey, tensor: Any) -> None:
+        """The tensor group occurrence ``key``'s modules read (what its start returned): the
+        gradient completing there ends its backward (the cadence check's ``end`` mark)."""
+        mark_backward(self.state, tensor, "end", key)
+
+    def window_committed(self, name: str, output: Any = None) -> None:
+        """The latest open occurrence of ``name`` committed; ``output`` (what its commit
+        returned), where given, starts its backward when its gradient arrives."""
         with self.state.lock:
             for i in range(len(self.state.open) - 1, -1, -1):
                 if self.state.open[i][2] == name:
-                    del self.state.open[i]
-                    return
+                    key = self.state.open.pop(i)
+                    break
+            else:
+                return
+        mark_backward(self.state, _first_tensor(output), "start", key)
 
     def window_saved(self, tensor: torch.Tensor, key: GroupKey) -> None:
         """Group occurrence ``key`` saved ``tensor`` (what the swapped pack hook notes)."""

@@ -35,6 +35,7 @@ SAVE_ON_CPU = Semantics(
     size_threshold=False,
     host_reload=False,
     reload_layout="contiguous",
+    prefetch_depth=0,  # its unpack hook is the reload: never ahead of the group's backward
     label="torch save_on_cpu's rules",
 )
 

@@ -8,6 +8,7 @@
 | delta_offload_bytes_across_pp_ranks    | delta_offload_bytes_across_pp_ranks                |
 | max_inflight_offloads                  | fine_grained_offloading_max_inflight_offloads      |
 | pp_rank                                | the pipeline rank passed to init_chunk_handler     |
+| pinned_pool_buffers                    | (none: PaddleFleet's pool cap, #1877)              |
 
 Validation mirrors Megatron's rules; every violation is a one-line ``ValueError``.
 """
@@ -42,6 +43,10 @@ class OffloadConfig:
     stream waits for the oldest beyond it. None: no cap."""
     pp_rank: int = 0
     """Pipeline rank this offloader serves (drives the delta policy)."""
+    pinned_pool_buffers: int | None = None
+    """At most this many host buffers in the pinned pool (None: no cap; Megatron has none,
+    PaddleFleet's port caps it). An offload that finds the pool exhausted takes a buffer of its
+    own outside the pool and counts the exhaustion; the run stays bitwise."""
 
     def __post_init__(self) -> None:
         modules = self.offload_modules
@@ -69,6 +74,8 @@ class OffloadConfig:
         _check_int(self, "pp_rank", minimum=0)
         if self.max_inflight_offloads is not None:
             _check_int(self, "max_inflight_offloads", minimum=0)
+        if self.pinned_pool_buffers is not None:
+            _check_int(self, "pinned_pool_buffers", minimum=0)
         fraction = self.activation_offload_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, int | float):
             raise ValueError(f"activation_offload_fraction must be a number, got {fraction!r}")

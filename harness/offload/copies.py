@@ -100,7 +100,7 @@ class CopyEngine:
         self._fused_reload = self.cuda and type(self)._h2d_copy is CopyEngine._h2d_copy
         self._compute_key: tuple[int, int, int] | None = None  # see _compute_stream
         self._compute: torch.cuda.Stream | None = None
-        self.pool = HostBufferPool(pin_memory=self.cuda)
+        self.pool = HostBufferPool(pin_memory=self.cuda, cap=self.config.pinned_pool_buffers)
         self._device_refs: dict[int, int] = {}  # storage address -> saved tensors on device
         self._pending_d2h: dict[str, deque[torch.cuda.Event | None]] = {}
 

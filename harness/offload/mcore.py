@@ -212,18 +212,20 @@ class McoreOffloader:
         reset = inspect.getattr_static(interface, "reset")
 
         def group_start(tensor: torch.Tensor, name: str | None = None) -> Any:
-            if windows is not None:
-                windows.window_started(layer(), str(name))
+            key = windows.window_started(layer(), str(name)) if windows is not None else None
             out = start(tensor, name)
+            if key is not None:
+                windows.window_input(key, out)
             self._started(str(name), layer())
             return out
 
         def group_offload(tensor: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+            out = None
             try:
                 out = commit(tensor, name, *args, **kwargs)
             finally:
                 if windows is not None:
-                    windows.window_committed(str(name))
+                    windows.window_committed(str(name), out)
             if self.delays.compute:
                 torch.cuda._sleep(self.delays.compute)
             return out

@@ -59,14 +59,21 @@ class PoolStats:
     free_requests: int = 0
     pool_hits: int = 0
     pool_misses: int = 0
+    exhausted: int = 0
+    """Requests the pool could not serve because its cap was reached (each got a buffer of its
+    own outside the pool, dropped again at its release)."""
 
 
 class HostBufferPool:
-    """FIFO pool of host buffers per (shape, dtype)."""
+    """FIFO pool of host buffers per (shape, dtype), holding at most ``cap`` buffers (None: no
+    cap). Exhausted, it hands out a buffer of its own that ``release`` drops (counted in
+    ``stats.exhausted``), so a capped pool never grows past its cap and never blocks."""
 
-    def __init__(self, *, pin_memory: bool) -> None:
+    def __init__(self, *, pin_memory: bool, cap: int | None = None) -> None:
         self.pin_memory = pin_memory
+        self.cap = cap
         self.stats = PoolStats()
+        self._outside: set[int] = set()  # ids of the handed-out buffers beyond the cap
         # key -> free buffers, each with the event its last reader recorded (None: free now)
         self._free: dict[PoolKey, deque[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
 
@@ -93,13 +100,23 @@ class HostBufferPool:
         if free is None:
             self._free[key] = deque()  # ``release`` appends to it
         stats.pool_misses += 1
+        buffer = staging_buffer(shape, dtype, pin_memory=self.pin_memory)
+        if self.cap is not None and stats.total_allocated >= self.cap:
+            stats.exhausted += 1
+            self._outside.add(id(buffer))  # the caller holds it until its release
+            return buffer, False
         stats.total_allocated += 1
-        return staging_buffer(shape, dtype, pin_memory=self.pin_memory), False
+        return buffer, False
 
     def release(self, buffer: torch.Tensor, pending_read: torch.cuda.Event | None) -> None:
         """Return ``buffer``; ``pending_read`` completes when its last H2D copy has finished."""
         self.stats.free_requests += 1
         self.stats.current_in_use -= 1
+        if id(buffer) in self._outside:
+            # Beyond the cap: dropped. On CUDA its H2D may still read it; the caching host
+            # allocator keeps a pinned block until the work recorded on it is done.
+            self._outside.discard(id(buffer))
+            return
         self._free[(tuple(buffer.shape), buffer.dtype)].append((buffer, pending_read))
 
     def clear(self) -> None:

@@ -243,6 +243,9 @@ class IterationLog:
     """Pinned pool buffers still handed out at the end of the iteration (non-zero is a leak)."""
     pool_allocated: int = 0
     """Pinned pool buffers allocated so far (stops growing after the warmup)."""
+    pool_exhausted: int = 0
+    """Requests a capped pinned pool could not serve so far (``pinned_pool_buffers``), each
+    handled with a buffer outside the pool."""
     summary_bytes: dict[str, int] = field(default_factory=dict)
     """Post-warmup summary, per name (only on the warmup iteration's log)."""
 

@@ -323,6 +323,7 @@ class OffloadContext(CopyEngine):
                 leaked_tensors=leaked,
                 pool_in_use=self.pool.stats.current_in_use,
                 pool_allocated=self.pool.stats.total_allocated,
+                pool_exhausted=self.pool.stats.exhausted,
                 summary_bytes=summary,
             )
         )

@@ -64,6 +64,16 @@ class Semantics:
     """With ``policies="every"``: the last ``keep_last`` selected group occurrences of each
     pass's forward stay on the device, in every iteration (TransformerEngine keeps its last
     layer)."""
+    prefetch_depth: int | None = None
+    """When reloads may be issued in backward (the cadence check, ``harness.execute.cadence``).
+    ``None``: Megatron-Core's rule - each group occurrence's backward end issues one reload,
+    the most recently committed offloaded group of its pass still on the host, else the top
+    one of the next pass to run backward if that pass's forward is done (so a pass whose
+    backward ends with k groups kept on the device has k + 1 offloaded groups reloaded ahead at
+    once, the #7575 pile-up, which this rule predicts). ``d >= 0``: a group occurrence's
+    reload comes no earlier than the end of the backward of the occurrence ``d`` places before
+    it in the step's backward order (0: not before its own backward starts, a reload at
+    unpack)."""
     observed: bool = False
     """Learned from the offloader's own copies (``harness.execute.learn``), not declared by it: the
     checks hold it to this rule and say so, but cannot hold it to Megatron's."""
@@ -81,6 +91,14 @@ class Semantics:
             raise ValueError(f"Semantics.policies must be megatron or every, got {self.policies!r}")
         if self.keep_last < 0 or (self.min_size is not None and self.min_size < 0):
             raise ValueError("Semantics.keep_last and min_size must be >= 0")
+        if self.prefetch_depth is not None and (
+            isinstance(self.prefetch_depth, bool)
+            or not isinstance(self.prefetch_depth, int)
+            or self.prefetch_depth < 0
+        ):
+            raise ValueError(
+                f"Semantics.prefetch_depth must be None or an int >= 0, got {self.prefetch_depth!r}"
+            )
         if self.reload_layout not in ("saved", "contiguous"):
             raise ValueError(
                 f"Semantics.reload_layout must be saved or contiguous, got {self.reload_layout!r}"

@@ -51,11 +51,13 @@ def _facts(summary: dict[str, Any]) -> list[tuple[str, str]]:
 def _outcomes(cases: list[dict[str, Any]]) -> str:
     passed = sum(c.get("verdict") == "pass" for c in cases)
     skipped = sum(c.get("verdict") == "skip" for c in cases)
+    inert = sum(c.get("verdict") == "inert" for c in cases)
     golden = [c.get("golden", {}).get("status") for c in cases]
     drift = golden.count("mismatch")
     return (
         f"{passed}/{len(cases)} cases passed"
         + (f", {skipped} skipped" if skipped else "")
+        + (f", {inert} inert" if inert else "")
         + f"; golden traces: {golden.count('match')} match, "
         f"{drift} drifted, {golden.count('missing')} missing"
         + (f", {golden.count('updated')} updated" if "updated" in golden else "")

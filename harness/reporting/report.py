@@ -281,9 +281,16 @@ def write_summary(
 
 
 def is_failure(case: dict[str, Any]) -> bool:
-    """Whether a case record counts as a failure: a verdict other than ``pass`` or ``skip`` (a
-    skip is a configuration the model's library refused, neither a pass nor a failure)."""
-    return case.get("verdict") not in ("pass", "skip")
+    """Whether a case record counts as a failure: a verdict other than ``pass``, ``skip`` or
+    ``inert`` (a skip is a configuration the model's library refused, neither a pass nor a
+    failure; an inert case is configured to move nothing, moved nothing and stayed bitwise)."""
+    return case.get("verdict") not in ("pass", "skip", "inert")
+
+
+def inert_reason(case: dict[str, Any]) -> str:
+    """Why a case record with the verdict ``inert`` moves nothing (``inert: nothing eligible
+    ...``)."""
+    return str(case.get("inert") or "inert: nothing eligible")
 
 
 def skip_reason(case: dict[str, Any]) -> str:
@@ -340,6 +347,7 @@ CHECK_COLUMNS = (
     ("disabled", "disabled"),
     ("fidelity", "fidelity"),
     ("weights", "weights"),
+    ("cadence", "cadence"),
     ("memory", "memory"),
     ("sync", "sync"),
     ("golden", "golden"),
@@ -453,5 +461,6 @@ def memory_record(res: Any) -> dict[str, Any]:
             "floor_freed_blocks": res.floor_freed[0],
             "floor_freed_bytes": res.floor_freed[1],
             "baseline": {"key": res.baseline_key, "made_by": res.baseline_made_by},
+            "backward": res.backward.record() if getattr(res, "backward", None) else None,
         }
     }

@@ -67,7 +67,7 @@ def gate(
     if tests.get("failed"):
         reasons.append(f"{tests['failed']} tests failed: " + ", ".join(summary["failed_tests"]))
     cases = {c["name"]: c for c in summary.get("cases", [])}
-    ran = {name for name, c in cases.items() if c.get("verdict") in ("pass", "fail")}
+    ran = {name for name, c in cases.items() if c.get("verdict") in ("pass", "fail", "inert")}
     missing = [name for name in expected if name not in ran]
     if missing:
         reasons.append(

@@ -44,7 +44,11 @@ def repro_hint(case: Case, env: Environment) -> str:
 def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str]:
     """Offload happened, then losses, gradients and final weights equal the plain baseline
     (``env``: where it ran, for the reproduce hint)."""
-    if res.proof_problems:
+    if res.inert:
+        moved = inert_copies(res)
+        if moved:
+            return [f"{res.inert}, yet the offload run copied: {moved}"]
+    elif res.proof_problems:
         return ["the offload did not happen in step 0 (the warmup step):", *res.proof_problems]
     problems = []
     if res.corrupted:
@@ -68,6 +72,20 @@ def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str
         problems.append(loss_table(res.baseline.losses, res.offload.losses))
         problems.append(repro_hint(case, env))
     return problems
+
+
+def inert_copies(res: CaseRun) -> str:
+    """What an inert case's offload run copied anyway, by the harness's windows, per step
+    (empty: nothing): the proof an inert case gives instead of the offload's."""
+    moved = []
+    for step, counts in enumerate(res.per_step):
+        totals = counts.totals()
+        if totals["d2h"].copies or totals["h2d"].copies:
+            copied = [k for k, f in counts.by_group().items() if f["d2h_copies"] or f["h2d_copies"]]
+            moved.append(
+                f"step {step}: {totals['d2h']} out, {totals['h2d']} back, in {_occurrences(copied)}"
+            )
+    return "; ".join(moved[:3])
 
 
 def checksum_coverage(res: CaseRun) -> dict[str, int]:
@@ -251,6 +269,7 @@ def log_leak_problems(case: Case, res: CaseRun) -> list[str]:
                     for mb, keys in sorted(_by_microbatch(offloaded).items())
                 )
             )
+    problems += pool_cap_problems(case, logs)
     # from the warmup's end on: a pool growing in the first steady step is growing too
     allocated = [log.pool_allocated for log in logs[evals:]]
     if len(set(allocated)) > 1:
@@ -259,6 +278,39 @@ def log_leak_problems(case: Case, res: CaseRun) -> list[str]:
             f"steps 0..{case.steps - 1}): {allocated}"
         )
     return problems
+
+
+def pool_cap_problems(case: Case, logs: list[Any]) -> list[str]:
+    """A row capping the pinned pool below what a step needs must see the cap hit (the
+    offloader's log counts each request the pool could not serve) and stay within it; a backend
+    whose log shows no pool at all has nothing the cap applies to."""
+    cap = case.pool_cap
+    if cap is None or not any(log.pool_allocated for log in logs):
+        return []
+    problems = []
+    if not logs[-1].pool_exhausted:
+        problems.append(
+            f"the pinned pool capped at {cap} buffers was never exhausted (allocated "
+            f"{[log.pool_allocated for log in logs]}): the row proves nothing about exhaustion"
+        )
+    if max(log.pool_allocated for log in logs) > cap:
+        problems.append(
+            f"the pinned pool grew past its cap of {cap} buffers: "
+            f"{[log.pool_allocated for log in logs]}"
+        )
+    return problems
+
+
+def pool_record(case: Case, res: CaseRun) -> dict[str, Any] | None:
+    """The report's ``pool`` field: the cap, and how often each step's pool was exhausted
+    (cumulative per the offloader's log); None without a cap."""
+    if case.pool_cap is None:
+        return None
+    return {
+        "cap": case.pool_cap,
+        "exhausted": [log.pool_exhausted for log in res.offload.logs],
+        "allocated": [log.pool_allocated for log in res.offload.logs],
+    }
 
 
 def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[str]:
@@ -270,7 +322,7 @@ def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[st
             f"its steps {steps} show, and none does; where the closest differs:",
             *_capped(res.step_mismatches() + res.mismatches()),
         ]
-    if not any(e.bytes for e in res.expected.values()):
+    if not any(e.bytes for e in res.expected.values()) and not res.inert:
         return ["the prediction moves nothing in the final step: the case would prove nothing"]
     problems = []
     final = f"step {case.steps - 1} (the final step)"
@@ -466,6 +518,31 @@ def weight_problems(res: CaseRun) -> list[str]:
     return problems
 
 
+def cadence_problems(res: CaseRun) -> list[str]:
+    """No reload is issued earlier than the declared or learned rule allows, and the bytes
+    reloaded ahead of their group's backward never exceed the rule's, in any step
+    (``harness.execute.cadence``): the first problem of each of the first three steps with one."""
+    assert res.cadence is not None
+    problems = res.cadence.problems()
+    if problems and res.semantics.observed:
+        problems.append(
+            "(the backend declares no semantics: it is held to the prefetch depth its steps 0 "
+            "and 1 showed; declare Semantics.prefetch_depth to hold it to a rule of its own)"
+        )
+    return problems
+
+
+def cadence_evidence(res: CaseRun, device_type: str) -> str | None:
+    """Why the cadence check cannot decide (None: it can): no group backward was marked."""
+    cadence = res.cadence
+    if cadence is None or not cadence.marks:
+        return (
+            "no group occurrence's backward was marked (no gradient reached the harness's "
+            "hooks on the windows' outputs and inputs): the reloads cannot be ordered"
+        )
+    return None
+
+
 def memory_problems(res: MemoryResult) -> list[str]:
     """After the last forward the offload run holds exactly the predicted bytes less than the
     baseline (requested bytes; allocated bytes within the measured rounding); the step's peak
@@ -511,6 +588,8 @@ def memory_problems(res: MemoryResult) -> list[str]:
             f"peak {res.offload_peak} B above the baseline's {res.baseline_peak} B by more than "
             f"the {allowance} B allowed (duplicate whole-storage reloads, slack blocks)"
         )
+    if res.backward is not None:
+        problems += res.backward.problems
     count, freed = res.floor_freed
     if problems and count:
         problems.append(

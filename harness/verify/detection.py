@@ -20,6 +20,7 @@ from harness.offload.broken import (
     BrokenOffloader,
     ChunkOrder,
     CorruptReload,
+    EagerReload,
     ExtraRoundTrip,
     FractionCount,
     HostSync,
@@ -33,6 +34,7 @@ from harness.offload.broken import (
     ReloadBeforeD2H,
     SourceReuse,
     StructureRemap,
+    TwoAhead,
     UnselectedGroups,
     ViewDedup,
     WrongMicrobatch,
@@ -46,6 +48,7 @@ CHECKS = (
     "disabled",
     "fidelity",
     "weights",
+    "cadence",
     "memory",
     "sync",
 )
@@ -170,6 +173,7 @@ STRAY = r"DtoH/HtoD memcpys outside any offload group"
 HOST_SYNC = r"the offloader synchronised the host with the device"
 LEFT = r"saved tensors never unpacked|pool buffers not returned"
 WARMUP_FLAGS = r"^warmup flags per iteration \[True, False"
+EARLY_RELOAD = r"group\(s\) reloaded ahead of their backward.*; first too early: "
 
 CATALOGUE: tuple[BrokenBackend, ...] = (
     BrokenBackend(
@@ -276,6 +280,16 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         factory=CorruptReload,
         catchers=(("equivalence", SEED),),
         reasons=(("equivalence", RELOADS),),
+    ),
+    BrokenBackend(
+        factory=EagerReload,
+        catchers=(("cadence", SEED), ("cadence", ATTENTION_1F1B_3MB)),
+        reasons=(("cadence", EARLY_RELOAD),),
+    ),
+    BrokenBackend(
+        factory=TwoAhead,
+        catchers=(("cadence", SEED), ("cadence", ATTENTION_1F1B_3MB)),
+        reasons=(("cadence", EARLY_RELOAD),),
     ),
 )
 """Every broken offloader (``harness.offload.broken.OFFLOADERS``, in its order) with its

@@ -21,6 +21,9 @@ fidelity       in every step, by the harness's own windows: no unselected group'
                copies, every name the prediction moves in that step moves
 weights        no parameter storage (nor a cast of one, nor a marked tensor) is copied out in
                any step (n-a for a backend declaring that parameters move)
+cadence        in every step, no reload is issued earlier than the declared or learned
+               prefetch rule allows, nor more bytes reloaded ahead of their group's backward
+               (``harness.execute.cadence``; the harness's own hooks mark each group's backward)
 memory         CUDA: memory after the last forward drops by what the in-flight groups free
 sync           CUDA: no host synchronisation inside the offloader's entry points
 golden         the plain baseline equals this machine's golden trace (``harness.verify.golden``)
@@ -51,6 +54,8 @@ from harness.util.globalstate import GlobalStateChanged
 from harness.util.sanitizer import describe
 from harness.verify import golden
 from harness.verify.checks import (
+    cadence_evidence,
+    cadence_problems,
     checksum_coverage,
     checksum_gap,
     disabled_problems,
@@ -59,6 +64,7 @@ from harness.verify.checks import (
     leak_evidence,
     leak_problems,
     memory_problems,
+    pool_record,
     transfer_problems,
     weight_problems,
 )
@@ -222,11 +228,26 @@ class _Raised:
 # ------------------------------------------------------------------------------ the checks
 
 
+def _inert(name: str, runs: CaseRuns) -> CheckOutcome | None:
+    """``n-a`` for a check that needs something moved, on an inert case (None otherwise)."""
+    res = runs.case_run()
+    if not res.inert:
+        return None
+    return _not_applicable(name, f"{res.inert}: nothing is offloaded to check")
+
+
 def _equivalence(runs: CaseRuns) -> CheckOutcome:
     res = runs.case_run()
+    record = case_record(res)
+    if res.inert:
+        record["inert"] = res.inert
     outcome = _from_problems(
-        "equivalence", equivalence_problems(runs.case, res, runs.env), **case_record(res)
+        "equivalence", equivalence_problems(runs.case, res, runs.env), **record
     )
+    if res.inert and outcome.status == "pass":
+        return dataclasses.replace(
+            outcome, reason=f"{res.inert}; nothing moved in any step, losses bitwise"
+        )
     gap = checksum_gap(checksum_coverage(res))
     if gap and outcome.status == "pass":  # visible: never a silent pass of the checksum part
         return dataclasses.replace(outcome, reason=gap)
@@ -243,10 +264,20 @@ def _leaks(runs: CaseRuns) -> CheckOutcome:
             "log_cross_check": bool(res.offload.logs),
         }
     }
+    pool = pool_record(runs.case, res)
+    if pool is not None:
+        record["pool"] = pool
     blind = leak_evidence(res)
     if blind is not None:
         return CheckOutcome(name="leaks", status="skip", reason=blind, record=record)
-    return _from_problems("leaks", leak_problems(runs.case, res), **record)
+    outcome = _from_problems("leaks", leak_problems(runs.case, res), **record)
+    if pool is not None and outcome.status == "pass" and pool["exhausted"]:
+        reason = (
+            f"pinned pool capped at {pool['cap']} buffers: exhausted {pool['exhausted'][-1]} "
+            f"times over the run, each handled with a buffer outside the pool"
+        )
+        return dataclasses.replace(outcome, reason=reason)
+    return outcome
 
 
 def _transfers(runs: CaseRuns) -> CheckOutcome:
@@ -273,7 +304,9 @@ def _transfers(runs: CaseRuns) -> CheckOutcome:
 
 
 def _disabled(runs: CaseRuns) -> CheckOutcome:
-    return _from_problems("disabled", disabled_problems(runs.case_run()))
+    return _inert("disabled", runs) or _from_problems(
+        "disabled", disabled_problems(runs.case_run())
+    )
 
 
 def _fidelity(runs: CaseRuns) -> CheckOutcome:
@@ -283,6 +316,9 @@ def _fidelity(runs: CaseRuns) -> CheckOutcome:
 
 def _weights(runs: CaseRuns) -> CheckOutcome:
     res = runs.case_run()
+    inert = _inert("weights", runs)
+    if inert is not None:
+        return inert
     seen = {
         "copies": len(res.weight_copies),
         "bytes": sum(c.nbytes for _, c in res.weight_copies),
@@ -304,9 +340,39 @@ def _weights(runs: CaseRuns) -> CheckOutcome:
     return _from_problems("weights", weight_problems(res), **record)
 
 
+def _cadence(runs: CaseRuns) -> CheckOutcome:
+    res = runs.case_run()
+    inert = _inert("cadence", runs)
+    if inert is not None:
+        return inert
+    cadence = res.cadence
+    record = {"cadence": cadence.record()} if cadence is not None else {}
+    blind = cadence_evidence(res, runs.env.device.type)
+    if blind is not None:
+        return CheckOutcome(name="cadence", status="skip", reason=blind, record=record)
+    if cadence is not None and not any(s.reloads for s in cadence.steps):
+        if not res.semantics.reloads_on(runs.env.device.type):
+            return CheckOutcome(
+                name="cadence",
+                status="n-a",
+                reason="on a CPU device the backend hands out the host copy at unpack: no "
+                "reload copy to order",
+                record=record,
+            )
+        reason = "no reload copy was observed to order (the transfers check says why)"
+        return CheckOutcome(name="cadence", status="skip", reason=reason, record=record)
+    outcome = _from_problems("cadence", cadence_problems(res), **record)
+    if outcome.status == "pass" and cadence is not None:
+        return dataclasses.replace(outcome, reason=cadence.summary())
+    return outcome
+
+
 def _memory(runs: CaseRuns) -> CheckOutcome:
     if runs.env.device.type != "cuda":
         return _not_applicable("memory", "needs a CUDA device (the caching allocator's figures)")
+    inert = _inert("memory", runs)
+    if inert is not None:
+        return inert
     res = runs.memory()
     count, freed = res.floor_freed
     if runs.case.sharding == "zero3" and count:
@@ -359,6 +425,7 @@ CHECKS: dict[str, Callable[[CaseRuns], CheckOutcome]] = {
     "disabled": _disabled,
     "fidelity": _fidelity,
     "weights": _weights,
+    "cadence": _cadence,
     "memory": _memory,
     "sync": _sync,
     "golden": _golden,
@@ -372,6 +439,7 @@ CASE_TESTS: dict[str, str] = {
     "disabled": "cases/test_transfers.py::test_disabled_moves_nothing",
     "fidelity": "cases/test_transfers.py::test_name_fidelity",
     "weights": "cases/test_transfers.py::test_no_weight_offloaded",
+    "cadence": "cases/test_transfers.py::test_reload_cadence",
     "memory": "cases/test_memory.py::test_memory_after_forward",
     "sync": "cases/test_sync.py::test_no_host_sync",
     "golden": "cases/test_golden.py::test_golden_baseline",
@@ -402,12 +470,16 @@ class Judgement:
 
     @property
     def verdict(self) -> str:
-        """``fail`` if a check failed; ``skip`` if none failed and none passed but one skipped
+        """``fail`` if a check failed; ``inert`` if none failed and the configuration moves
+        nothing by design (``harness.execute.predict.inert_reason``: nothing eligible, and nothing
+        moved); ``skip`` if none failed and none passed but one skipped
         (a configuration the model's library refuses); else ``pass`` (a golden trace
         ``updated`` is no failure, and alone no pass either)."""
         statuses = {o.status for o in self.outcomes}
         if "fail" in statuses:
             return "fail"
+        if any(o.record.get("inert") for o in self.outcomes):
+            return "inert"
         if "skip" in statuses and "pass" not in statuses:
             return "skip"
         return "pass"

@@ -17,6 +17,7 @@ import re
 
 import pytest
 import torch
+from harness.learn import learn
 
 from harness.cases import Case
 from harness.execute.environment import Environment
@@ -32,7 +33,7 @@ ROWS = (
     Case(family="hybrid", offload=("core_attn", "attn_proj"), custom_pattern="+-+-"),
     Case(family="moe", offload=("qkv_linear", "expert_fc1", "moe_act"), precision="bf16"),
 )
-CHECKS = ("equivalence", "transfers", "disabled", "fidelity", "weights")
+CHECKS = ("equivalence", "transfers", "disabled", "fidelity", "weights", "cadence")
 CORRECT = ("StorageSkip", "ObjectSkip", "SizeThreshold", "WholeStorage", "HandBack")
 
 
@@ -141,10 +142,13 @@ def test_a_correct_undeclared_offloader_passes(style: str, row: Case) -> None:
     judgement = judge(row, Environment(device=CPU, backend=f"undeclared_offloaders:{style}"))
     statuses = _statuses(judgement)
     assert judgement.verdict == "pass", judgement.problems
-    assert {statuses[c] for c in CHECKS} == {"pass"}, statuses
+    expected = dict.fromkeys(CHECKS, "pass")
+    rule = judgement.record()["rule"]
+    if "CPU reload hands back the host copy" in rule["line"]:  # no reload copy to order
+        expected["cadence"] = "n-a"
+    assert {c: statuses[c] for c in CHECKS} == expected, statuses
     transfers = next(o for o in judgement.outcomes if o.name == "transfers")
     assert "declare semantics to check it against Megatron's" in transfers.reason
-    rule = judgement.record()["rule"]
     assert rule["source"] == "observed" and rule["exact"], rule
     assert rule["line"].startswith("observed rule: "), rule
 

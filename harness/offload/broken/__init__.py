@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from harness.offload.broken.cadence import EagerReload, TwoAhead
 from harness.offload.broken.identity import ChunkOrder, ViewDedup, WrongMicrobatch
 from harness.offload.broken.races import PoolEarlyReuse, ReloadBeforeD2H, SourceReuse
 from harness.offload.broken.selection import (
@@ -188,6 +189,18 @@ OFFLOADERS: tuple[BrokenOffloader, ...] = (
         factory=CorruptReload,
         bug_class="transport corruption: one bit flipped on the way back",
         reference="STYLE rule 14",
+        cpu=True,
+    ),
+    BrokenOffloader(
+        factory=EagerReload,
+        bug_class="every offloaded group reloaded at the start of its pass's backward",
+        reference="Megatron-LM #7575 (reload cadence, backward peak); issue 50",
+        cpu=True,
+    ),
+    BrokenOffloader(
+        factory=TwoAhead,
+        bug_class="reloads prefetched two groups ahead of their backward",
+        reference="Megatron-LM #7575 / dev #5101 (reloads run ahead of their backward)",
         cpu=True,
     ),
 )
