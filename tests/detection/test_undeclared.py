@@ -17,7 +17,6 @@ import re
 
 import pytest
 import torch
-from harness.learn import learn
 
 from harness.cases import Case
 from harness.execute.environment import Environment

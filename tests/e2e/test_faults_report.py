@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -240,9 +241,10 @@ def test_judge_gives_the_hint_its_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(judge, "checksum_coverage", lambda res: {"compared": 1})
     env = Environment(device=torch.device("cpu"), backend="reference", model_size="tiny")
     runs = judge.CaseRuns(default_matrix()[0], env)
-    monkeypatch.setattr(runs, "case_run", lambda: "the case run")
+    case_run = SimpleNamespace(inert=None)  # a configured offload (not inert)
+    monkeypatch.setattr(runs, "case_run", lambda: case_run)
     assert judge._equivalence(runs).status == "pass"
-    assert seen == [(runs.case, "the case run", env)]
+    assert seen == [(runs.case, case_run, env)]
 
 
 # -------------------------------------------------------------------------------- commit

@@ -74,7 +74,9 @@ def _rows() -> tuple:
     by_key: dict[str, list] = {}
     env = Environment(device=CPU)
     for row in rows:
-        by_key.setdefault(plain_key(row, env), []).append(row)
+        group = by_key.setdefault(plain_key(row, env), [])
+        if all(row.offload != other.offload for other in group):  # one row per selection
+            group.append(row)
     return next(group for group in by_key.values() if len(group) > 1)
 
 

@@ -115,7 +115,7 @@ def test_a_case_row_under_n_reaches_its_report_entry(tmp_path: Path) -> None:
             "-n",
             "1",  # one worker is enough for the suffix, and one interpreter fewer than -n 2
             "-k",
-            f"{seed} and not zero3 and not evalfirst and not 6x3",
+            f"{seed} and not zero3 and not evalfirst and not 6x3 and not pool and not min-",
             "--report-dir",
             str(tmp_path),
         ),

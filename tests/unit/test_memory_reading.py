@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -250,6 +251,9 @@ def test_a_zero3_reading_after_runs_freed_earlier_blocks_is_not_attributable(
 
         def memory(self) -> MemoryResult:
             return self._res
+
+        def case_run(self) -> SimpleNamespace:
+            return SimpleNamespace(inert=None)  # a configured offload: the reading is judged
 
     dirty = _result(case=zero3, floor_freed=(18, 264_425_472), offload_requested=10_001)
     outcome = judge._memory(Runs(zero3, dirty))  # type: ignore[arg-type]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from harness.predict import predict
 
 from harness.execute.predict import predict
 from harness.offload.config import OffloadConfig
