@@ -289,7 +289,7 @@ def test_torchrun_two_ranks_collective_verdict(pytester: pytest.Pytester) -> Non
     for both: a torchrun job costs two interpreters importing torch)."""
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_ranks=RANK_TESTS, test_case_row=CASE_ROW_TEST)
-    row = f"{SEED} and not zero3 and not evalfirst and not 6x3"
+    row = f"{SEED} and not zero3 and not evalfirst and not 6x3 and not pool and not min-"
     command = torchrun_pytest_command("-rA", "-k", f"test_ranks or {row}")
     command += ["--device", "cpu", "--report-dir", "reports", "--case-timeout", "120"]
     done = subprocess.run(
