@@ -63,11 +63,11 @@ from harness.verify.checks import (
     fidelity_problems,
     leak_evidence,
     leak_problems,
-    memory_problems,
     pool_record,
     transfer_problems,
     weight_problems,
 )
+from harness.verify.memorycheck import memory_problems
 from harness.vocab.impls import IMPLS
 
 STATUSES = ("pass", "fail", "skip", "n-a", "updated")

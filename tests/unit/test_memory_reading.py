@@ -1,5 +1,5 @@
 """The memory case: its allocator readings (``harness.execute.memory``) from synthetic snapshots,
-and its check (``harness.verify.checks.memory_problems``) on synthetic results."""
+and its check (``harness.verify.memorycheck.memory_problems``) on synthetic results."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from harness.cases import MCORE_ROWS, SEED_CASE, Case
 from harness.execute import baselines, environment, memory
 from harness.execute.memory import MemoryResult
-from harness.verify.checks import memory_problems
+from harness.verify.memorycheck import memory_problems
 
 
 def _segment(address: int, blocks: list[tuple[int, int, str]], **extra: object) -> dict:
