@@ -166,11 +166,7 @@ class Backend:
         """The copy rules its factory declares, or None (learned from what it does); a factory
         that declares a function gets it called here, when first needed (megatron-core's rules
         are read from the installed library)."""
-        declared = self.capabilities.semantics
-        if callable(declared):
-            declared = declared()
-            _declared_semantics(declared, self.spelling)
-        return declared  # type: ignore[no-any-return]
+        return _called(self.capabilities.semantics, self.spelling)
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why it cannot run on ``device`` (its record's ``unavailable``), or None."""
@@ -224,8 +220,7 @@ def capabilities(spec: str) -> Capabilities:
     or ``UNDECLARED`` for a factory that declares none."""
     record = _declared(resolve_backend(spec), spec)
     if callable(record.semantics):  # read from the installed library when first asked
-        record = dataclasses.replace(record, semantics=record.semantics())
-        _declared_semantics(record.semantics, spec)
+        record = dataclasses.replace(record, semantics=_called(record.semantics, spec))
     return record
 
 
@@ -431,6 +426,15 @@ def _declared(factory: Factory, shown: str) -> Capabilities:
     if not callable(record.semantics):  # a function returning one is checked when called
         _declared_semantics(record.semantics, shown)
     return record
+
+
+def _called(semantics: object, shown: str) -> Semantics | None:
+    """Declared semantics as a rule: a factory that declares a function (megatron-core's rules,
+    read from the installed library) has it called here and its result checked."""
+    if callable(semantics):
+        semantics = semantics()
+        _declared_semantics(semantics, shown)
+    return semantics  # type: ignore[return-value]
 
 
 def _declared_semantics(semantics: object, shown: str) -> None:

@@ -22,15 +22,11 @@ from harness.vocab.impls import IMPLS
 from harness.vocab.spec import ModelSpec, RunSpec, gpt_layers
 
 
-def _apply_environment() -> None:
-    apply_environment()
-
-
 def unavailable_reason(device: torch.device | str) -> str | None:
     """Why megatron-core's models cannot run here (None when they can)."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return "impl 'mcore' needs a CUDA device (megatron-core's models with TransformerEngine)"
-    _apply_environment()
+    apply_environment()
     for module in ("transformer_engine.pytorch", "megatron.core.models.hybrid.hybrid_model"):
         try:
             importlib.import_module(module)
@@ -47,7 +43,7 @@ def unavailable_reason(device: torch.device | str) -> str | None:
 
 def ensure_parallel_state(device: torch.device) -> None:
     """torch.distributed and megatron-core's model-parallel state (TP = PP = EP = 1)."""
-    _apply_environment()
+    apply_environment()
     if device.index is not None:
         torch.cuda.set_device(device)  # NCCL and megatron-core's collectives use the current one
     distributed.ensure_process_group(device)
