@@ -25,6 +25,7 @@ import torch
 from harness.execute.cadence import END, START, Event, allowed_for
 from harness.execute.predict import Expected, reload_sizes
 from harness.offload.config import OffloadConfig
+from harness.offload.passthrough import apply_to_first
 from harness.offload.protocol import Group, Offloader, Output, Wrapper
 from harness.offload.recorder import GroupObservation
 from harness.offload.semantics import GroupKey, Semantics
@@ -42,8 +43,18 @@ def block(nbytes: int) -> int:
 
 
 class BackwardSampler(Wrapper):
-    """``inner`` with ``memory_allocated`` read at each group occurrence's backward start (a hook
-    on its output) and end (on its input) while ``armed``; nothing else changes."""
+    """``inner`` with ``memory_allocated`` read at each group occurrence's backward start and end
+    while ``armed``; nothing else changes.
+
+    The end is a hook on the group's input as the offloader hands it to the model: it runs when
+    that input's gradient is complete, before the offloader's own node at the group's start (if
+    it adds one) runs its backward. The start is the backward of an identity node of the
+    sampler's own on the committed output, outside the offloader's commit node. The hook on a
+    group's input and the start of the group before it would otherwise sit on one tensor where
+    the offloader adds no node (the committed output is the next group's input: core_attn feeds
+    attn_proj, expert_fc1 feeds moe_act) and fire in registration order - start first - but with
+    the offloader's nodes between them in the other order. Through the node the order is the
+    same in both runs: the later group's end, then the earlier group's start."""
 
     def __init__(self, inner: Offloader, device: torch.device) -> None:
         super().__init__(inner)
@@ -59,17 +70,30 @@ class BackwardSampler(Wrapper):
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
         key = (self._microbatch, layer, name)
         inner = self.inner.group(name, x, layer=layer)
-        self._hook(inner.input, END, key)
+        if self._marks(inner.input):
+            inner.input.register_hook(lambda grad: self.read(END, key))
         return _Sampled(inner, self, key)
 
-    def _hook(self, tensor: Any, kind: str, key: GroupKey) -> None:
-        if not (self.armed and isinstance(tensor, torch.Tensor) and tensor.requires_grad):
-            return
+    def read(self, kind: str, key: GroupKey) -> None:
+        """Append a sample: ``memory_allocated`` now, at ``kind`` of ``key``."""
+        self.samples.append((kind, key, torch.cuda.memory_allocated(self.device)))
 
-        def read(grad: torch.Tensor) -> None:
-            self.samples.append((kind, key, torch.cuda.memory_allocated(self.device)))
+    def _marks(self, tensor: Any) -> bool:
+        return self.armed and isinstance(tensor, torch.Tensor) and tensor.requires_grad
 
-        tensor.register_hook(read)
+
+class _StartMark(torch.autograd.Function):
+    """Identity; its backward reads the sampler at the group's backward start."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, owner: BackwardSampler, key: GroupKey) -> torch.Tensor:
+        ctx.owner, ctx.key = owner, key
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.owner.read(START, ctx.key)
+        return grad, None, None
 
 
 class _Sampled:
@@ -90,19 +114,25 @@ class _Sampled:
     def commit(self, output: Output, release: Sequence[torch.Tensor] = ()) -> Output:
         out = self.inner.commit(output, release)
         first = out[0] if isinstance(out, tuple | list) and out else out
-        self.owner._hook(first, START, self.key)
-        return out
+        if not self.owner._marks(first):
+            return out
+        return apply_to_first(out, _StartMark.apply, self.owner, self.key)
 
 
 @dataclass(kw_only=True)
 class BackwardReading:
-    """The final step's backward, baseline against offload run, at the group boundaries."""
+    """The final step's backward, baseline against offload run, at the group boundaries; the
+    two runs' samples are matched by boundary (kind and group occurrence), not by position."""
 
     baseline: list[Sample]
     offload: list[Sample]
     predicted: list[int] | None
-    """The drop (bytes) predicted at each boundary; None: not predicted (nesting groups)."""
+    """The drop (bytes) predicted at each boundary of ``offload``, in its order; None: not
+    predicted (``why_not``) or not matched (``unmatched``)."""
     why_not: str = ""
+    """Why the drops are not predicted (nesting groups, no marks): reported, not decided."""
+    unmatched: str = ""
+    """Why the two runs' boundaries cannot be matched: the reading is undecided (a skip)."""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -117,8 +147,10 @@ class BackwardReading:
     def predicted_peak(self) -> int | None:
         if self.predicted is None:
             return None
+        base = _by_boundary(self.baseline)
         return max(
-            (s[2] - d for s, d in zip(self.baseline, self.predicted, strict=True)), default=0
+            (base[s[:2]] - d for s, d in zip(self.offload, self.predicted, strict=True)),
+            default=0,
         )
 
     def record(self) -> dict[str, Any]:
@@ -128,7 +160,70 @@ class BackwardReading:
             "offload_peak": self.offload_peak,
             "predicted_peak": self.predicted_peak,
             "not_predicted": self.why_not or None,
+            "unmatched": self.unmatched or None,
+            "samples": {
+                "baseline": [_compact(s) for s in self.baseline],
+                "offload": [_compact(s) for s in self.offload],
+                "predicted": self.predicted,
+            },
         }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> BackwardReading:
+        """The reading a report's ``memory.backward`` record holds (its problems decided anew):
+        how data recorded on a GPU is replayed on CPU."""
+        samples = record["samples"]
+        reading = cls(
+            baseline=[_expand(s) for s in samples["baseline"]],
+            offload=[_expand(s) for s in samples["offload"]],
+            predicted=samples["predicted"],
+            why_not=record.get("not_predicted") or "",
+        )
+        if not reading.why_not:
+            reading.unmatched = boundary_mismatch(reading.baseline, reading.offload)
+        reading.problems = backward_problems(reading)
+        return reading
+
+
+def _compact(sample: Sample) -> list[Any]:
+    """A sample as a report keeps it: ``[kind, microbatch, layer, group, bytes]``."""
+    kind, (microbatch, layer, name), nbytes = sample
+    return [kind, microbatch, layer, name, nbytes]
+
+
+def _expand(row: Sequence[Any]) -> Sample:
+    kind, microbatch, layer, name, nbytes = row
+    return (kind, (int(microbatch), int(layer), str(name)), int(nbytes))
+
+
+def _by_boundary(samples: Sequence[Sample]) -> dict[tuple[str, GroupKey], int]:
+    return {(kind, key): nbytes for kind, key, nbytes in samples}
+
+
+def _boundary(kind: str, key: GroupKey) -> str:
+    microbatch, layer, name = key
+    return f"backward {kind} of {name} (microbatch {microbatch}, layer {layer})"
+
+
+def boundary_mismatch(baseline: Sequence[Sample], offload: Sequence[Sample]) -> str:
+    """Why the two runs' boundaries cannot be matched one to one ("" when they can): a
+    boundary marked twice in one run, or marked in one run only. The order may differ."""
+    for run, samples in (("baseline", baseline), ("offload run", offload)):
+        seen: set[tuple[str, GroupKey]] = set()
+        for kind, key, _ in samples:
+            if (kind, key) in seen:
+                return f"the {run} marked the {_boundary(kind, key)} twice"
+            seen.add((kind, key))
+    base, off = _by_boundary(baseline), _by_boundary(offload)
+    only = [("offload run", b) for b in off if b not in base]
+    only += [("baseline", b) for b in base if b not in off]
+    if not only:
+        return ""
+    run, (kind, key) = only[0]
+    return (
+        f"{len(only)} group boundaries are marked in one run only (the first: the "
+        f"{_boundary(kind, key)}, in the {run} alone)"
+    )
 
 
 def predicted_drops(
@@ -181,20 +276,19 @@ def _freed_storages(obs: GroupObservation, expected: Expected) -> dict[tuple[int
 
 
 def backward_problems(reading: BackwardReading) -> list[str]:
-    """Each boundary where the offload run's drop against the baseline is not the predicted
-    one (the first six), naming the group occurrence and both figures."""
-    if reading.predicted is None:
+    """Each boundary where the offload run's drop against the baseline's reading at the same
+    boundary is not the predicted one (the first six), naming the group occurrence and both
+    figures. Nothing where the drops were not predicted or the boundaries not matched."""
+    if reading.predicted is None or reading.unmatched:
         return []
-    base, off = reading.baseline, reading.offload
-    if [s[:2] for s in base] != [s[:2] for s in off]:
-        return ["the baseline's and the offload run's backward group boundaries differ"]
+    base = _by_boundary(reading.baseline)
     problems = []
-    for (kind, key, b), (_, _, o), drop in zip(base, off, reading.predicted, strict=True):
+    for (kind, key, o), drop in zip(reading.offload, reading.predicted, strict=True):
+        b = base[(kind, key)]
         if b - o != drop:
-            mb, layer, name = key
             problems.append(
-                f"backward {kind} of {name} (microbatch {mb}, layer {layer}): memory_allocated "
-                f"{o} B against the baseline's {b} B, a drop of {b - o} B, predicted {drop} B"
+                f"{_boundary(kind, key)}: memory_allocated {o} B against the baseline's {b} B, "
+                f"a drop of {b - o} B, predicted {drop} B"
             )
     if problems:
         head = (

@@ -21,6 +21,7 @@ from harness.execute.backwardpeak import (
     BackwardSampler,
     Sample,
     backward_problems,
+    boundary_mismatch,
     predicted_drops,
 )
 from harness.execute.baselines import BASELINES, Baselines, plain_key
@@ -158,10 +159,11 @@ def _backward_reading(
     nesting = sorted(NESTING & set(case.offload))
     if not off.samples:
         reading.why_not = "no group boundary was marked (the model drives its groups itself)"
-        return reading
-    if nesting:
+    elif nesting:
         reading.why_not = f"{', '.join(nesting)} span other groups: not predicted"
-    elif [s[:2] for s in base.samples] == [s[:2] for s in off.samples]:
+    else:
+        reading.unmatched = boundary_mismatch(base.samples, off.samples)
+    if not (reading.why_not or reading.unmatched):
         config = case.offload_config()
         order = schedule_order(run.schedule, run.microbatches)
         warmup, steady = predict(observations, config, order, semantics)
@@ -170,8 +172,6 @@ def _backward_reading(
             off.samples, observations, expected, order, config, semantics
         )
     reading.problems = backward_problems(reading)
-    if reading.predicted is None and not nesting:
-        reading.problems = ["the baseline's and the offload run's backward group boundaries differ"]
     return reading
 
 

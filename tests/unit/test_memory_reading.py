@@ -267,6 +267,47 @@ def test_a_zero3_reading_after_runs_freed_earlier_blocks_is_not_attributable(
     assert judge._memory(Runs(SEED_CASE, unsharded)).status == "fail"  # type: ignore[arg-type]
 
 
+def test_backward_boundaries_that_cannot_be_matched_leave_the_check_undecided() -> None:
+    """A backward reading whose boundaries do not match one to one (the harness's own marks) is
+    a skip naming the first unmatched boundary, never a failure of the offloader; a problem
+    after the last forward still fails the check."""
+    from harness.execute.backwardpeak import END, START, BackwardReading, boundary_mismatch
+    from harness.verify import judge
+
+    a, b = (0, 4, "attn_proj"), (0, 4, "core_attn")
+    base = [(START, a, 9_000), (END, a, 8_000), (START, b, 8_000)]
+    off = [(START, a, 5_000), (END, a, 4_000)]
+    reading = BackwardReading(baseline=base, offload=off, predicted=None)
+    reading.unmatched = boundary_mismatch(base, off)
+    assert reading.unmatched == (
+        "1 group boundaries are marked in one run only (the first: the backward start of "
+        "core_attn (microbatch 0, layer 4), in the baseline alone)"
+    )
+
+    class Runs:
+        def __init__(self, res: MemoryResult) -> None:
+            self.case, self._res = SEED_CASE, res
+            self.env = environment.Environment(device=torch.device("cuda", 0))
+
+        def memory(self) -> MemoryResult:
+            return self._res
+
+        def case_run(self) -> SimpleNamespace:
+            return SimpleNamespace(inert=None)
+
+    outcome = judge._memory(Runs(_result(backward=reading)))  # type: ignore[arg-type]
+    assert outcome.status == "skip"
+    assert outcome.reason.startswith("the backward reading is undecided: 1 group boundaries")
+    assert outcome.record["memory"]["backward"]["unmatched"] == reading.unmatched
+    wrong = _result(backward=reading, offload_requested=10_001)
+    assert judge._memory(Runs(wrong)).status == "fail"  # type: ignore[arg-type]
+    assert boundary_mismatch(base, [*base[1:], base[0]]) == ""  # order alone does not matter
+    twice = [*base, base[0]]
+    assert boundary_mismatch(base, twice) == (
+        "the offload run marked the backward start of attn_proj (microbatch 0, layer 4) twice"
+    )
+
+
 def _rows_by_plain_key(env: environment.Environment) -> dict[str, list[Case]]:
     """The default matrix's rows by their plain key, in matrix order."""
     from harness.cases import default_matrix
