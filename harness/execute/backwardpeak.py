@@ -1,18 +1,21 @@
-"""The memory case's backward reading - CUDA only: ``torch.cuda.memory_allocated`` at every group
-occurrence's backward start and end of the final step, baseline against offload run, and the
-drop the prediction expects at each of those points (``harness.execute.memory`` runs it).
+"""The memory case's backward reading - CUDA only: the bytes the live allocations requested at
+every group occurrence's backward start and end of the final step, baseline against offload
+run, and the drop the prediction expects at each of those points (``harness.execute.memory``
+runs it).
 
 Why at the group boundaries: an offloader that reloads every group at the start of backward
 brings the peak back to the baseline's while the memory after the last forward still drops as
 predicted; the drop *during* backward is what shows it. At each boundary the offload run holds,
 per offloaded group occurrence of a pass whose forward is done and whose own backward has not
 started, the storages its offload freed less (still on the host) or, once the cadence rule
-(``harness.execute.cadence``) has reloaded it ahead of its backward, its reloads instead of them.
-The allocator's blocks are the requests rounded up to 512 B, so the prediction rounds each storage
-and each reload the same way and the reading is exact to the byte. Groups that nest (attn_norm
-and mlp_norm span other groups) are reloaded at moments the marks do not bound; a row
-selecting them is read and reported but not predicted.
-"""
+(``harness.execute.cadence``, walked over the selected groups' marks as the cadence check walks
+them) has reloaded it ahead of its backward, its reloads instead of them. The reading is the
+allocator's requested bytes, not ``memory_allocated``: the block a request gets depends on the
+cached blocks around (a block is not split when less than 1 MiB of it would remain), which
+moved the two runs' ``memory_allocated`` apart by up to 3 MiB at a boundary on an H100, while
+the requested bytes are the storages' sizes and the reading is exact to the byte. Groups that
+nest (attn_norm and mlp_norm span other groups) are reloaded at moments the marks do not bound;
+a row selecting them is read and reported but not predicted."""
 
 from __future__ import annotations
 
@@ -34,7 +37,16 @@ NESTING = frozenset({"attn_norm", "mlp_norm"})
 """Group names whose window spans other groups' windows."""
 
 Sample = tuple[str, GroupKey, int]
-"""(``start`` or ``end``, group occurrence, ``memory_allocated`` there)."""
+"""(``start`` or ``end``, group occurrence, ``requested_bytes`` there)."""
+
+
+def requested_bytes(device: torch.device) -> int:
+    """The bytes the live allocations on ``device`` asked for (the caching allocator's
+    ``requested_bytes`` stat): unlike ``memory_allocated``, untouched by the block a request
+    gets (rounded up to 512 B, or a whole cached block left unsplit when less than 1 MiB of it
+    would remain), which differs between two runs by megabytes at a boundary."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    return int(stats["requested_bytes"]["all"]["current"])
 
 
 def block(nbytes: int) -> int:
@@ -43,8 +55,8 @@ def block(nbytes: int) -> int:
 
 
 class BackwardSampler(Wrapper):
-    """``inner`` with ``memory_allocated`` read at each group occurrence's backward start and end
-    while ``armed``; nothing else changes.
+    """``inner`` with the requested bytes (``requested_bytes``) read at each group occurrence's
+    backward start and end while ``armed``; nothing else changes.
 
     The end is a hook on the group's input as the offloader hands it to the model: it runs when
     that input's gradient is complete, before the offloader's own node at the group's start (if
@@ -75,8 +87,8 @@ class BackwardSampler(Wrapper):
         return _Sampled(inner, self, key)
 
     def read(self, kind: str, key: GroupKey) -> None:
-        """Append a sample: ``memory_allocated`` now, at ``kind`` of ``key``."""
-        self.samples.append((kind, key, torch.cuda.memory_allocated(self.device)))
+        """Append a sample: the requested bytes now, at ``kind`` of ``key``."""
+        self.samples.append((kind, key, requested_bytes(self.device)))
 
     def _marks(self, tensor: Any) -> bool:
         return self.armed and isinstance(tensor, torch.Tensor) and tensor.requires_grad
@@ -245,10 +257,16 @@ def predicted_drops(
     passes: dict[int, list[GroupKey]] = {}
     for key in offloaded:
         passes.setdefault(key[0], []).append(key)
-    allowed = allowed_for(events, passes, order, semantics)
+    # The rule's reload slots are the selected groups' backward ends, as the cadence check walks
+    # them (``step_events`` keeps the selected names): an unselected group's end reloads nothing.
+    chosen = [i for i, e in enumerate(events) if e.key[2] in names]
+    allowed = {
+        key: None if at is None else chosen[at]
+        for key, at in allowed_for([events[i] for i in chosen], passes, order, semantics).items()
+    }
     by_key = {(o.microbatch, o.layer, o.name): o for o in observations}
     freed = {k: _freed_storages(by_key[k], steady[k]) for k in offloaded}
-    back = {k: sum(block(n) for n in reload_sizes(by_key[k], config, semantics)) for k in offloaded}
+    back = {k: sum(reload_sizes(by_key[k], config, semantics)) for k in offloaded}
     starts = {e.key: i for i, e in reversed(list(enumerate(events))) if e.kind == START}
     drops = []
     for index, (_, current, _) in enumerate(samples):
@@ -262,7 +280,7 @@ def predicted_drops(
             limit = allowed.get(key)
             if limit is not None and limit < index and starts.get(key, -1) > limit:
                 drop -= back[key]  # reloaded ahead: its reloads hold device memory again
-        drops.append(drop + sum(block(n) for n in storages.values()))
+        drops.append(drop + sum(storages.values()))
     return drops
 
 
@@ -287,7 +305,7 @@ def backward_problems(reading: BackwardReading) -> list[str]:
         b = base[(kind, key)]
         if b - o != drop:
             problems.append(
-                f"{_boundary(kind, key)}: memory_allocated {o} B against the baseline's {b} B, "
+                f"{_boundary(kind, key)}: {o} requested bytes against the baseline's {b} B, "
                 f"a drop of {b - o} B, predicted {drop} B"
             )
     if problems:

@@ -313,7 +313,8 @@ class _MemoryReading:
     replaced: Counter[int]
     sites: dict[int, str]
     samples: list[Sample] = dataclasses.field(default_factory=list)
-    """``memory_allocated`` at each group boundary of the final step's backward."""
+    """The requested bytes at each group boundary of the final step's backward, above what was
+    live before the run started."""
 
 
 Block = tuple[int, int]
@@ -467,15 +468,17 @@ def _memory_run(
             _settled(device)
             # the floor's blocks that are still live: the step's peak counts above them
             live = _live_blocks(device)
-            kept = sum(block[0] for address, block in floor.items() if live.get(address) == block)
+            kept = [block for address, block in floor.items() if live.get(address) == block]
+            seen["kept"] = sum(size for size, _ in kept), sum(asked for _, asked in kept)
             torch.cuda.reset_peak_memory_stats(device)
             sampler.armed = True
         yield
         if step == last:
             torch.cuda.synchronize(device)
+            kept, asked = seen.pop("kept")
             seen["peak"] = torch.cuda.max_memory_allocated(device) - kept
             sampler.armed = False
-            seen["samples"] = [(kind, key, n - kept) for kind, key, n in sampler.samples]
+            seen["samples"] = [(kind, key, n - asked) for kind, key, n in sampler.samples]
 
     hooks = RunHooks(step_context=step_context, after_forward=after_forward)
     train(spec, run, sampler, device, hooks=hooks, sharding=sharding)

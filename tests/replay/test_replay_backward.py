@@ -3,7 +3,7 @@
 and refreshed by ``scripts/gpu_verify``).
 
 Two things are pinned: the order in which the sampler marks the group boundaries, which is the
-same on CPU as on the GPU (the CPU run here, with ``memory_allocated`` stubbed, must mark the
+same on CPU as on the GPU (the CPU run here, with the allocator reading stubbed, must mark the
 boundaries the GPU's baseline and offload runs marked, in their order), and the judgement of a
 recorded reading (matched by boundary, against its predicted drops)."""
 
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from harness.cases import matrix
+from harness.execute import backwardpeak
 from harness.execute.backwardpeak import BackwardReading, BackwardSampler
 from harness.execute.environment import Environment, closing
 from harness.execute.memory import memory_run_spec
@@ -54,7 +55,7 @@ def _boundaries(samples: list[list[Any]]) -> list[tuple[str, tuple[int, int, str
 def _cpu_order(row: str, offloader: Offloader, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The boundaries the sampler marks in the final step of ``row``'s memory run on CPU."""
     reads = iter(range(1, 1_000_000))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(reads))
+    monkeypatch.setattr(backwardpeak, "requested_bytes", lambda device: next(reads))
     case = {c.name: c for c in matrix("full")}[row]
     run = memory_run_spec(case)
     sampler = BackwardSampler(offloader, CPU)

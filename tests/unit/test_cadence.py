@@ -240,7 +240,7 @@ def test_allocator_blocks_and_backward_problems() -> None:
         "predicted 6000 B (baseline 10000 B); 1 boundaries differ:"
     )
     assert problems[1] == (
-        "backward start of core_attn (microbatch 0, layer 1): memory_allocated 7000 B against "
+        "backward start of core_attn (microbatch 0, layer 1): 7000 requested bytes against "
         "the baseline's 8000 B, a drop of 1000 B, predicted 4000 B"
     )
     assert backward_problems(BackwardReading(baseline=base, offload=base, predicted=None)) == []
