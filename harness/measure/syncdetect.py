@@ -254,7 +254,7 @@ def set_debug_mode(mode: int | str) -> None:
 # (tests/unit/test_syncguard_replay.py); scripts/gpu_probe_sync.py writes a fresh one.
 
 FIXTURE_FORMAT = "offload-harness sync-guard hits, version 1"
-OUTCOMES = ("pass", "fail")
+OUTCOMES = ("pass", "fail", "n-a")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,9 +265,14 @@ class Scenario:
     expected: str
     """The sync check's status that offloader must get (one of ``OUTCOMES``)."""
     verdict: str = ""
-    """The sync check's line on that machine ('' for a pass)."""
+    """The sync check's line on that machine ('' without a sync)."""
     windows: dict[str, int] = dataclasses.field(default_factory=dict)
     """Windows opened per kind (what the guard looked at)."""
+    observed_d2h: int | None = None
+    """D2H copies the harness's copy observer saw in the guarded step (None: not known)."""
+    inert: str = ""
+    """Why the row moves nothing by design (``harness.execute.predict.inert_reason``), if so."""
+    note: str = ""
     hits: tuple[SyncHit, ...] = ()
 
     def record(self) -> dict[str, Any]:
@@ -282,15 +287,19 @@ class Scenario:
         name = record.get("name")
         if not isinstance(name, str) or record.get("expected") not in OUTCOMES:
             raise ValueError(f"a scenario needs a name and expected in {OUTCOMES}: {record!r}")
-        hits = record.get("hits", [])
-        windows = record.get("windows", {})
-        if not isinstance(hits, list) or not isinstance(windows, dict):
-            raise ValueError(f"scenario {name}: hits is a list and windows an object")
+        unknown = sorted(set(record) - {f.name for f in dataclasses.fields(cls)})
+        hits, windows = record.get("hits", []), record.get("windows", {})
+        if unknown or not isinstance(hits, list) or not isinstance(windows, dict):
+            raise ValueError(f"scenario {name}: unknown fields {unknown}, or hits not a list")
+        d2h = record.get("observed_d2h")
         return cls(
             name=name,
             expected=record["expected"],
             verdict=str(record.get("verdict", "")),
             windows={str(kind): int(count) for kind, count in windows.items()},
+            observed_d2h=None if d2h is None else int(d2h),
+            inert=str(record.get("inert", "")),
+            note=str(record.get("note", "")),
             hits=tuple(SyncHit.from_record(hit) for hit in hits),
         )
 

@@ -372,7 +372,7 @@ class GuardedRun:
             )
         return out
 
-    def scenario(self, name: str, expected: str) -> Scenario:
+    def scenario(self, name: str, expected: str, note: str = "") -> Scenario:
         """This run as a scenario of the GPU fixture (``harness.measure.syncdetect.fixture``),
         ``expected`` being the sync check's status its offloader must get."""
         verdict = self.sync_problems()
@@ -381,6 +381,8 @@ class GuardedRun:
             expected=expected,
             verdict=verdict[0] if verdict else "",
             windows=dict(sorted(self.windows.items())),
+            observed_d2h=self.observed_d2h,
+            note=note,
             hits=self.hits,
         )
 
