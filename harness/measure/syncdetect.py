@@ -34,7 +34,8 @@ while a window is open, so such a warning still comes from inside one: it is rec
 step's backward, the node unknown (``LATE``) - unless the debug mode was already on when the
 guard started, and then it is ignored (it may be anyone's).
 
-What is not seen: a sync inside a window whose code sets an ``ignore`` filter of its own,
+What is not seen: a sync inside a window whose code installs a warning capture of its own
+(``catch_warnings(record=True)``, an ``ignore`` filter),
 ``torch.Event.synchronize()`` (the device-generic event, a C type that cannot be wrapped), a
 device synchronisation a C++ extension makes itself, and a sync on a thread with no window open.
 """
