@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The host-sync guard against real CUDA syncs, in under a minute: six small offloaders, each
+"""The host-sync guard against real CUDA syncs, in under a minute: seven small offloaders, each
 trained ``GUARDED_STEP + 1`` steps of ``hybrid-tiny`` with the guard armed on step
 ``GUARDED_STEP`` (``harness.measure.syncguard.run_guarded``), one line per scenario (the verdict
 expected against the one got), and the fixture of what the guard recorded written to ``--out``
@@ -12,6 +12,7 @@ scenario             the offloader                                           exp
 ==================== ======================================================= ==================
 pack-item            ``.item()`` in its pack hook                            fail, pack
 unpack-synchronize   ``torch.cuda.synchronize()`` in its unpack hook         fail, unpack
+unpack-stream-sync   ``current_stream().synchronize()`` in its unpack hook   fail, unpack
 unpack-blocking-copy a blocking ``host.to("cuda")`` in its unpack hook       fail, unpack
 swallows-error       ``.item()`` in pack inside ``try/except RuntimeError``  fail, pack
 function-backward    its own autograd Function at commit, ``.item()`` in     fail, backward of
@@ -19,10 +20,12 @@ function-backward    its own autograd Function at commit, ``.item()`` in     fai
 clean-pinned         pinned host buffers, ``non_blocking`` copies both ways  pass
 ==================== ======================================================= ==================
 
-Every run must also raise nothing and give the plain run's losses bitwise, under a filter that
-would turn the sync warning into an error (a user's ``-W error``). Exit 0 when every scenario got
-what it expected, 1 on a mismatch (the fixture is written all the same), 2 on bad input. Needs
-the repository on ``PYTHONPATH`` (or the package installed).
+Every run must also raise nothing, give the plain run's losses bitwise and record one hit per
+sync the offloader made in the guarded step (it counts its own: none missed, none counted twice,
+``Stream.synchronize()`` included), under a filter that would turn the sync warning into an error
+(a user's ``-W error``). Exit 0 when every scenario got what it expected, 1 on a mismatch (the
+fixture is written all the same), 2 on bad input. Needs the repository on ``PYTHONPATH`` (or the
+package installed).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,12 +77,19 @@ class _Group:
 class Pinned:
     """A correct offloader: every saved activation of a selected group over ``MIN_NUMEL``
     elements to a pinned host buffer and back, ``non_blocking`` both ways on the current stream
-    (the caching host allocator keeps a buffer until its copy is done)."""
+    (the caching host allocator keeps a buffer until its copy is done). A subclass that
+    synchronises counts each of its syncs per step (``synced``), so the probe can hold the
+    guard's hits to one per sync: none missed, none counted twice."""
 
     name = "probe.pinned"
 
     def __init__(self) -> None:
         self.enabled = True
+        self.step = 0
+        self.syncs: Counter[int] = Counter()
+
+    def synced(self) -> None:
+        self.syncs[self.step] += 1
 
     def stays(self, t: torch.Tensor) -> bool:
         return not t.is_cuda or isinstance(t, torch.nn.Parameter) or t.numel() < MIN_NUMEL
@@ -112,10 +123,10 @@ class Pinned:
         return None
 
     def mark_not_offloadable(self, *tensors: torch.Tensor) -> None:
-        return None  # parameters stay by type; the model's marks are views of them
+        return None  # a weight view it moves comes back unchanged: no loss and no sync differ
 
     def end_iteration(self) -> None:
-        return None
+        self.step += 1
 
     def set_enabled(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -130,6 +141,7 @@ class Pinned:
 class PackItem(Pinned):
     def pack(self, t: torch.Tensor) -> Any:
         if not self.stays(t):
+            self.synced()
             t.reshape(-1)[0].item()
         return super().pack(t)
 
@@ -137,18 +149,29 @@ class PackItem(Pinned):
 class UnpackSynchronize(Pinned):
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, torch.Tensor):
+            self.synced()
             torch.cuda.synchronize()
+        return super().unpack(packed)
+
+
+class UnpackStreamSynchronize(Pinned):
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, torch.Tensor):
+            self.synced()
+            torch.cuda.current_stream().synchronize()  # ATen's check flags it; not wrapped
         return super().unpack(packed)
 
 
 class UnpackBlockingCopy(Pinned):
     def reload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.synced()
         return host.to(device)  # blocking: the host waits for the copy
 
 
 class SwallowsError(Pinned):
     def pack(self, t: torch.Tensor) -> Any:
         if not self.stays(t):
+            self.synced()
             try:  # hides the error the debug mode "error" raised here
                 t.reshape(-1)[0].item()
             except RuntimeError:
@@ -158,18 +181,20 @@ class SwallowsError(Pinned):
 
 class _ItemOnBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, owner: Pinned) -> torch.Tensor:
+        ctx.owner = owner
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.owner.synced()
         grad.reshape(-1)[0].item()
-        return grad
+        return grad, None
 
 
 class FunctionBackward(Pinned):
     def commit(self, output: Any) -> Any:
-        return apply_to_first(output, _ItemOnBackward.apply)
+        return apply_to_first(output, _ItemOnBackward.apply, self)
 
 
 @dataclass(frozen=True)
@@ -193,6 +218,14 @@ SCENARIOS = (
         ": unpack",
     ),
     Expected(
+        "unpack-stream-sync",
+        UnpackStreamSynchronize,
+        "fail",
+        "unpack",
+        SYNC_MESSAGE,
+        ": unpack",
+    ),
+    Expected(
         "unpack-blocking-copy", UnpackBlockingCopy, "fail", "unpack", SYNC_MESSAGE, ": unpack"
     ),
     Expected("swallows-error", SwallowsError, "fail", "pack", SYNC_MESSAGE, ": pack"),
@@ -208,12 +241,15 @@ SCENARIOS = (
 )
 
 
-def _mismatches(expected: Expected, run: GuardedRun, plain: torch.Tensor) -> list[str]:
-    """What differs from ``expected`` in ``run`` ([]: as expected)."""
+def _mismatches(expected: Expected, run: GuardedRun, made: int, plain: torch.Tensor) -> list[str]:
+    """What differs from ``expected`` in ``run``, whose offloader made ``made`` syncs in the
+    guarded step ([]: as expected)."""
     out = []
     got = "fail" if run.hits else "pass"
     if got != expected.status:
         out.append(f"expected {expected.status}, got {got}")
+    if len(run.hits) != made:
+        out.append(f"{len(run.hits)} hits for the offloader's {made} syncs")
     if run.evidence_problems():
         out += run.evidence_problems()
     if run.losses is None or not torch.equal(run.losses, plain):
@@ -233,11 +269,12 @@ def probe(expected: Expected, plain: torch.Tensor) -> tuple[bool, Scenario | Non
     """Run one scenario; print its line; its fixture entry (None if it raised)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=SYNC_MESSAGE, category=UserWarning)
+        offloader = expected.factory()
         try:
             run = run_guarded(
                 SPEC,
                 RUN,
-                expected.factory(),
+                offloader,
                 "cuda",
                 guarded={GUARDED_STEP},
                 guard=SyncGuard("cuda"),
@@ -248,7 +285,7 @@ def probe(expected: Expected, plain: torch.Tensor) -> tuple[bool, Scenario | Non
                 f"{type(exc).__name__}: {exc}"
             )
             return False, None
-    problems = _mismatches(expected, run, plain)
+    problems = _mismatches(expected, run, offloader.syncs[GUARDED_STEP], plain)
     got = "fail" if run.hits else "pass"
     first = run.hits[0] if run.hits else None
     seen = (
