@@ -11,7 +11,7 @@ from harness.execute.cadence import Cadence
 from harness.execute.learn import ObservedRule, expected_fields
 from harness.execute.predict import Expected
 from harness.measure.observe import Copy
-from harness.measure.syncguard import GuardedRun, HostSyncError
+from harness.measure.syncguard import GuardedRun
 from harness.measure.transfers import TransferCounts
 from harness.models.runs import TrainResult
 from harness.offload.recorder import GroupObservation
@@ -95,10 +95,10 @@ class CaseRun:
     run_seconds: dict[str, float] = field(default_factory=dict)
     """Host seconds of each run (``plain``, ``hooks``, ``layout``, ``offload``, ``disabled``),
     where the case's time goes."""
-    guarded: GuardedRun | HostSyncError | None = None
+    guarded: GuardedRun | None = None
     """The host-sync check's guarded step ``GUARDED_STEP``, taken inside the offload run
-    (``guards_in_offload_run``), or the sync that stopped it (the offload run was then made
-    again without the guard); None where the check makes a run of its own."""
+    (``guards_in_offload_run``), with the syncs recorded there; None where the check makes a
+    run of its own."""
     inert: str = ""
     """Why the configuration moves nothing by design (``harness.execute.predict.inert_reason``;
     empty: it moves something): the case then proves that nothing moved instead of the offload."""

@@ -56,7 +56,6 @@ from harness.measure.syncguard import (
     GUARDED_STEP,
     GuardedOffloader,
     GuardedRun,
-    HostSyncError,
     SyncGuard,
     guarded_steps_hooks,
 )
@@ -109,8 +108,8 @@ def guards_in_offload_run(case: Case, env: Environment) -> bool:
     ``GUARDED_STEP``, so the sync check trains nothing of its own (on the H200 that run was an
     eighth of the full matrix's test time): on CUDA, for an implementation the guard applies to,
     in a run whose profiled steps (the first and the last) are not that step. The guard changes
-    no tensor; an offloader that synchronises fails that step, and the offload run is made
-    again without it."""
+    no tensor and raises nothing: the syncs an offloader makes there are recorded, and every
+    other check reads the same run."""
     return (
         env.device.type == "cuda"
         and IMPLS[case.impl].sync_guard is None
@@ -178,7 +177,7 @@ class _Runs:
     shared: SharedPlain
     hooks: TrainResult
     made: _OffloadTraining
-    guarded: GuardedRun | HostSyncError | None
+    guarded: GuardedRun | None
     disabled: tuple[TransferCounts, Observed]
     """The disabled run's profiler counts and observed copies."""
 
@@ -260,28 +259,15 @@ class _CaseSteps:
                 result = train(self.spec, run, trained, env.device, hooks=hooks, **self.kept)
             return _OffloadTraining(result, sink, seen, len(offloader.state.weights), guard)
 
-    def offload_run(self) -> tuple[_OffloadTraining, GuardedRun | HostSyncError | None]:
-        """The offload run, with the guarded step where ``guards_in_offload_run``; made again
-        without the guard when an offloader synchronised in it. Also the guard's verdict."""
-        guarded: GuardedRun | HostSyncError | None = None
+    def offload_run(self) -> tuple[_OffloadTraining, GuardedRun | None]:
+        """The offload run, with the guarded step where ``guards_in_offload_run``; also what
+        the guard recorded there (None: no guarded step)."""
         with _timed(self.seconds, "offload"):
-            made: _OffloadTraining | None = None
-            try:
-                made = self.offload_training(guards_in_offload_run(self.case, self.env))
-            except HostSyncError as exc:
-                # The host-sync check's verdict, its message alone: the exception's traceback
-                # would keep the aborted run's model and tensors alive.
-                guarded = HostSyncError(str(exc))
-            if made is None:  # made again without the guard (outside the handler, which holds it)
-                made = self.offload_training(False)
-        if made.guard is not None:
-            guarded = GuardedRun.of(
-                made.guard,
-                {GUARDED_STEP},
-                made.result,
-                made.seen[GUARDED_STEP : GUARDED_STEP + 1],
-            )
-        return made, guarded
+            made = self.offload_training(guards_in_offload_run(self.case, self.env))
+        if made.guard is None:
+            return made, None
+        seen = made.seen[GUARDED_STEP : GUARDED_STEP + 1]
+        return made, GuardedRun.of(made.guard, {GUARDED_STEP}, made.result, seen)
 
     def learn_rule(self, mine: list[Observed]) -> None:
         """An undeclared backend's rule, learned from the warmup and first steady step (and

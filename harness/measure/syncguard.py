@@ -2,36 +2,38 @@
 
 An offloader that makes the host wait for the device (``.item()``, a blocking copy,
 ``torch.cuda.synchronize()``, ``Event.synchronize()``) stalls the launch queue at every group
-and costs most of the overlap it exists for, without changing a single loss. The guard fails
-such a sync and names where it happened.
+and costs most of the overlap it exists for, without changing a single loss. The guard records
+every such sync and names where it happened; the ``sync`` check fails on them.
 
 It is armed only inside *windows*: the stretches of host time in which the offloader under test
 runs. ``GuardedOffloader`` wraps any backend and opens a window around each of its entry points:
 
     begin_microbatch, group start, group enter/exit, commit, mark_not_offloadable, end_iteration
     the saved-tensor pack/unpack hooks the backend pushes when a group is entered
-    the backward of the autograd nodes the backend adds at group start and commit
+    the backward of the autograd nodes the backend adds at group start and commit (its own
+    ``torch.autograd.Function`` there included)
 
 Everything else - model compute, the loss, clipping, the optimizer and the bf16 master copy -
 runs outside every window, so the runner's own synchronisations (were there any) are excluded by
-construction, not caught and ignored. Inside a window two detectors are live:
+construction, not caught and ignored. Windows are kept per thread: on CUDA autograd runs the
+backward's hooks on its device thread, and a sync is charged to the innermost window open on the
+thread that made it.
 
-* ``torch.cuda.set_sync_debug_mode("error")`` makes ATen's implicit syncs (``.item()``,
-  ``.cpu()``, blocking copies, ``nonzero``, stream synchronisation) raise at once;
-* GPU-trace callbacks record explicit device, stream and event synchronisation (the debug mode
-  does not flag ``torch.cuda.synchronize()`` or ``Event.synchronize()``); the window raises when
-  it closes. Activating the trace is process-wide and cannot be undone: afterwards every CUDA
-  allocation and event calls into Python (a small host cost, no change in behaviour).
-
-A sync becomes a ``HostSyncError`` naming the window: step, microbatch, group, layer and phase.
-On CPU there is nothing to detect; windows still open and close (and are counted), which is
-how the wrapper's coverage is tested without a GPU.
+Inside a window ATen's implicit syncs issue a warning (``torch.cuda.set_sync_debug_mode("warn")``)
+and the explicit ones are wrapped; each becomes a ``SyncHit`` (``harness.measure.syncdetect``
+says how, and what it does not see). Nothing is raised: an exception inside a saved-tensor hook
+or an autograd node unwinds through C++ autograd, and an offloader may catch it itself. So the
+run goes on, every other check reads it as any other run, and the verdict is decided afterwards
+from the hits (``GuardedRun.sync_problems``: the first named - step, microbatch, group, layer,
+window, call, source line - and the others counted), whatever the offloader did with an error.
+On CPU there is nothing to detect; windows still open and close (and are counted), which is how
+the wrapper's coverage is tested without a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,49 +43,38 @@ from typing import Any, Protocol
 import torch
 
 from harness.measure.observe import Observed, Windowed, observe
+from harness.measure.syncdetect import (
+    LATE,
+    SYNC_MESSAGE,
+    Listener,
+    Scenario,
+    SyncHit,
+    set_debug_mode,
+    skip_frames_of,
+    thread_label,
+)
 from harness.models.train import RunHooks, train
 from harness.offload.protocol import Group, IterationLog, Offloader, Output, Wrapper
 from harness.vocab.spec import ModelSpec, RunSpec
+
+__all__ = [
+    "GUARDED_STEP",
+    "SYNC_MESSAGE",
+    "GuardedGroup",
+    "GuardedOffloader",
+    "GuardedRun",
+    "SyncGuard",
+    "SyncHit",
+    "Windows",
+    "guarded_steps_hooks",
+    "run_guarded",
+]
 
 GUARDED_STEP = 2
 """The steady step the host-sync check guards: the first is the offloader's warmup (its pinned
 pool is allocated there, and the optimizer's state), the next lets every allocator settle."""
 
-SYNC_MESSAGE = "synchronizing CUDA operation"
-"""What ATen's sync debug mode puts into the error it raises."""
-
-_LIVE: list[SyncGuard] = []
-"""Guards with an open window. The GPU-trace callback registry is process-wide and has no way
-to unregister, so the callbacks are installed once and dispatch to whichever guard is live."""
-_TRACE_INSTALLED = False
-
-
-class HostSyncError(RuntimeError):
-    """The offloader synchronised the host with the device inside a guarded window."""
-
-
-def _record_explicit(what: str) -> None:
-    for guard in _LIVE:
-        guard._explicit.append(what)
-
-
-def _install_trace() -> None:
-    global _TRACE_INSTALLED
-    if _TRACE_INSTALLED:
-        return
-    from torch.cuda import _gpu_trace
-
-    torch._C._activate_gpu_trace()
-    _gpu_trace.register_callback_for_device_synchronization(
-        lambda: _record_explicit("device synchronize (torch.cuda.synchronize)")
-    )
-    _gpu_trace.register_callback_for_stream_synchronization(
-        lambda stream: _record_explicit(f"stream synchronize (stream {stream:#x})")
-    )
-    _gpu_trace.register_callback_for_event_synchronization(
-        lambda event: _record_explicit(f"event synchronize (event {event:#x})")
-    )
-    _TRACE_INSTALLED = True
+skip_frames_of(__file__)  # a hit's source is the offloader's line, never the wrapper's
 
 
 class Windows(Protocol):
@@ -109,7 +100,8 @@ class Windows(Protocol):
 
 
 class SyncGuard:
-    """Windows in which any host synchronisation fails; inert unless ``armed``."""
+    """Windows inside which every host synchronisation is recorded in ``hits``; inert unless
+    ``armed``. It never raises: the verdict is read from the hits afterwards."""
 
     def __init__(self, device: torch.device | str, *, armed: bool = False) -> None:
         self.cuda = torch.device(device).type == "cuda"
@@ -118,107 +110,86 @@ class SyncGuard:
         """The runner's current step (labels only)."""
         self.windows: Counter[str] = Counter()
         """Armed windows opened, per kind (``commit``, ``unpack``, ...)."""
-        self._stack: list[str] = []
-        self._explicit: list[str] = []
+        self.hits: list[SyncHit] = []
+        """Every sync recorded inside a window, in order (kept over ``reset``)."""
+        self._stacks: dict[int, list[tuple[str, str]]] = {}
+        """Per thread ident, its open windows (kind, label), innermost last."""
+        self._open = 0
+        """Windows open over every thread: the debug mode is on while there is one."""
         self._previous_mode = 0
-        self.last_error: HostSyncError | None = None
-        """The last sync a window detected (until ``reset``), for ``explain``."""
-        if self.cuda:
-            _install_trace()
+        self._listener = Listener(self._on_sync)
 
     @property
     def current(self) -> str | None:
-        """The innermost open window's label (None outside every window)."""
-        return self._stack[-1] if self._stack else None
+        """The calling thread's innermost open window's label (None outside every window)."""
+        stack = self._stacks.get(threading.get_ident())
+        return stack[-1][1] if stack else None
 
     def open(self, kind: str, where: str) -> bool:
         """Open a window; False (and nothing opened) while disarmed."""
         if not self.armed:
             return False
         self.windows[kind] += 1
-        if not self._stack:
-            self._explicit.clear()
-            if self.cuda:
-                self._previous_mode = torch.cuda.get_sync_debug_mode()
-                _set_sync_debug_mode("error")
-            _LIVE.append(self)
-        self._stack.append(where)
+        if not self._open and self.cuda:
+            # Listening lasts till the step ends (``reset``): autograd reports a C++ node's
+            # warnings only when the backward ends, after the windows closed.
+            self._listener.start()
+            self._previous_mode = torch.cuda.get_sync_debug_mode()
+            set_debug_mode("warn")
+        self._open += 1
+        self._stacks.setdefault(threading.get_ident(), []).append((kind, where))
         return True
 
     def close(self) -> None:
-        """Close the innermost window; the outermost raises for recorded explicit syncs."""
-        where = self._stack.pop()
-        if self._stack:
+        """Close the calling thread's innermost window."""
+        stack = self._stacks.get(threading.get_ident())
+        if not stack:
             return
-        self._disarm_detectors()
-        if self._explicit:
-            found, self._explicit = self._explicit, []
-            self.last_error = HostSyncError(f"{where}: host synchronisation: {'; '.join(found)}")
-            raise self.last_error
+        stack.pop()
+        self._open -= 1
+        if not self._open and self.cuda:
+            set_debug_mode(self._previous_mode)
 
     @contextlib.contextmanager
     def window(self, kind: str, where: str) -> Iterator[None]:
-        """``open``/``close`` around a block; a sync error inside names ``where``."""
+        """``open``/``close`` around a block; whatever the block raises goes on unchanged."""
         if not self.open(kind, where):
             yield
             return
         try:
             yield
-        except HostSyncError:
-            raise
-        except RuntimeError as exc:
-            if SYNC_MESSAGE in str(exc):
-                self.last_error = HostSyncError(f"{where}: {_first_line(exc)}")
-                raise self.last_error from exc
-            raise
         finally:
-            if self._stack and self._stack[-1] == where:
+            # Not when a node's window opened inside is still open (its backward raised before
+            # its post-hook): ``reset`` closes both at the step's end.
+            if self.current == where:
                 self.close()
 
-    def explain(self, exc: BaseException) -> BaseException:
-        """A sync error raised where no window could catch it (inside an autograd node whose
-        post-hook never ran) as a ``HostSyncError`` naming the innermost open window."""
-        if isinstance(exc, RuntimeError) and not isinstance(exc, HostSyncError):
-            if SYNC_MESSAGE in str(exc):
-                return HostSyncError(f"{self.current or 'outside any window'}: {_first_line(exc)}")
-        if isinstance(exc, Exception) and not isinstance(exc, HostSyncError) and self.last_error:
-            # A sync detected inside a saved-tensor hook that autograd called from C++ can reach
-            # the runner as another error (``SystemError: ... returned NULL without setting an
-            # exception``): PyTorch loses it on the way out. The detection itself is recorded.
-            return HostSyncError(
-                f"{self.last_error} (it reached the runner as {type(exc).__name__}: "
-                f"{_first_line(exc)})"
-            )
-        return exc
-
     def reset(self) -> None:
-        """Close every window without checking (after an exception), disarm the detectors."""
-        if self._stack:
-            self._stack.clear()
-            self._disarm_detectors()
-        self._explicit.clear()
-        self.last_error = None
+        """The step ended: close every window (a backward that raised leaves its node's open),
+        restore the debug mode, stop listening. The hits stay."""
+        if self._open and self.cuda:
+            set_debug_mode(self._previous_mode)
+        self._stacks.clear()
+        self._open = 0
+        self._listener.stop()
 
-    def _disarm_detectors(self) -> None:
-        if self.cuda:
-            _set_sync_debug_mode(self._previous_mode)
-        if self in _LIVE:
-            _LIVE.remove(self)
-
-
-def _set_sync_debug_mode(mode: int | str) -> None:
-    """``torch.cuda.set_sync_debug_mode`` without its warning that the mode is a prototype: the
-    guard chose it knowingly, and the warning printed once per worker says nothing to a user."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="Synchronization debug mode is a prototype", category=UserWarning
+    def _on_sync(self, call: str, source: str, explicit: bool) -> None:
+        """Charge one detected sync to the calling thread's innermost window."""
+        stack = self._stacks.get(threading.get_ident())
+        if stack:
+            kind, where = stack[-1]
+        elif explicit or self._previous_mode:
+            return  # outside every window of this thread, or anyone's (the mode was on before)
+        else:
+            kind = LATE
+            where = (
+                f"step {self.step}, the backward: a C++ autograd node inside one of the "
+                "offloader's windows (autograd reports its warnings when the backward ends, so "
+                "the node is not known)"
+            )
+        self.hits.append(
+            SyncHit(window=where, kind=kind, call=call, source=source, thread=thread_label())
         )
-        torch.cuda.set_sync_debug_mode(mode)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -355,6 +326,8 @@ class GuardedRun:
     guarded_steps: tuple[int, ...]
     windows: Counter[str] = field(default_factory=Counter)
     """Armed windows opened per kind, over the guarded steps."""
+    hits: tuple[SyncHit, ...] = ()
+    """The host synchronisations recorded inside the windows, in order."""
     logs: list[IterationLog] = field(default_factory=list)
     """The backend's own per-iteration log ([] if it keeps none)."""
     losses: torch.Tensor | None = None
@@ -363,6 +336,23 @@ class GuardedRun:
     """D2H copies the harness's copy observer saw in the guarded steps (None: not observed)."""
 
     def problems(self) -> list[str]:
+        """The sync check's problems: the syncs, then why the run proves nothing if it does not."""
+        return self.sync_problems() + self.evidence_problems()
+
+    def sync_problems(self) -> list[str]:
+        """One line for the recorded syncs: the first named, the others counted per window
+        kind ([] without a sync)."""
+        if not self.hits:
+            return []
+        first, others = self.hits[0], self.hits[1:]
+        line = f"the offloader synchronised the host with the device at {first.describe()}"
+        if others:
+            kinds = Counter(hit.kind for hit in others)
+            each = ", ".join(f"{kind} {count}" for kind, count in kinds.most_common())
+            line += f"; {len(others)} more in the guarded steps {self.guarded_steps} ({each})"
+        return [line]
+
+    def evidence_problems(self) -> list[str]:
         """Why the run does not prove anything (the guard never saw the offloader work)."""
         out = []
         for kind in ("start", "commit"):
@@ -382,6 +372,20 @@ class GuardedRun:
             )
         return out
 
+    def scenario(self, name: str, expected: str, note: str = "") -> Scenario:
+        """This run as a scenario of the GPU fixture (``harness.measure.syncdetect.fixture``),
+        ``expected`` being the sync check's status its offloader must get."""
+        verdict = self.sync_problems()
+        return Scenario(
+            name=name,
+            expected=expected,
+            verdict=verdict[0] if verdict else "",
+            windows=dict(sorted(self.windows.items())),
+            observed_d2h=self.observed_d2h,
+            note=note,
+            hits=self.hits,
+        )
+
     @classmethod
     def of(
         cls, guard: SyncGuard, steps: set[int], result: Any, seen: Sequence[Observed]
@@ -391,6 +395,7 @@ class GuardedRun:
         return cls(
             guarded_steps=tuple(sorted(steps)),
             windows=Counter(guard.windows),
+            hits=tuple(guard.hits),
             logs=result.logs,
             losses=result.losses,
             observed_d2h=sum(c.direction == "d2h" for o in seen for c in o.copies),
@@ -407,11 +412,6 @@ def guarded_steps_hooks(
         guard.step, guard.armed = step, step in steps
         try:
             yield
-        except BaseException as exc:
-            explained = guard.explain(exc)
-            if explained is not exc:
-                raise explained from exc
-            raise
         finally:
             guard.armed = False
             guard.reset()

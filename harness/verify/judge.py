@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.cases import Case
+from harness.execute import steps as case_steps
 from harness.execute.caserun import CaseRun
 from harness.execute.environment import Environment
 from harness.execute.learn import OBSERVED_LABEL
@@ -196,17 +197,19 @@ class CaseRuns:
         )
 
     def guarded(self) -> Any:
-        """The guarded training of the host-sync check: a ``GuardedRun``, or the
-        ``HostSyncError`` that stopped it. The case run's offload run guards its step
-        ``GUARDED_STEP`` where it can (``harness.execute.steps.guards_in_offload_run``); otherwise,
-        or before the case run is made, a run of its own."""
+        """The guarded training of the host-sync check, a ``GuardedRun`` with the syncs it
+        recorded. The case run's offload run guards its step ``GUARDED_STEP`` where it can
+        (``harness.execute.steps.guards_in_offload_run``; if that run raised, so does this);
+        otherwise, or before the case run is made, a run of its own."""
         made = self._made.get("case")
         if isinstance(made, CaseRun) and made.guarded is not None:
             return made.guarded
+        if isinstance(made, _Raised) and case_steps.guards_in_offload_run(self.case, self.env):
+            raise made.error  # the guarded step was in that run: said once, by its first reader
         return self._once("sync", self._guarded_run)
 
     def _guarded_run(self) -> Any:
-        from harness.measure.syncguard import HostSyncError, run_guarded
+        from harness.measure.syncguard import run_guarded
 
         run = self.case.run_spec().replace(steps=GUARDED_STEP + 1)
         offloader = self.env.offloader(self.case.offload_config())
@@ -214,8 +217,6 @@ class CaseRuns:
             return run_guarded(
                 self.env.spec(self.case), run, offloader, self.env.device, guarded={GUARDED_STEP}
             )
-        except HostSyncError as exc:
-            return HostSyncError(str(exc))  # without the traceback, which holds the run's tensors
         finally:
             offloader.close()
 
@@ -405,14 +406,20 @@ def _sync(runs: CaseRuns) -> CheckOutcome:
     unguarded = IMPLS[runs.case.impl].sync_guard
     if unguarded is not None:  # the check applies to the case; the guard cannot run there
         return CheckOutcome(name="sync", status="skip", reason=unguarded)
-    from harness.measure.syncguard import HostSyncError
-
     res = runs.guarded()
-    if isinstance(res, HostSyncError):
-        message = f"the offloader synchronised the host with the device at {res}"
-        return _from_problems("sync", [message], host_sync=str(res))
-    windows = sum(res.windows.values())
-    return _from_problems("sync", res.problems(), host_sync=None, guarded_windows=windows)
+    record = {
+        "host_sync": res.hits[0].describe() if res.hits else None,
+        "sync_hits": len(res.hits),
+        "guarded_windows": sum(res.windows.values()),
+    }
+    if not res.hits and res.evidence_problems():
+        # Nothing moved in the guarded step: n-a where the configuration moves nothing by
+        # design, as for the other checks that need something moved. A sync recorded there
+        # still fails: the host waited all the same.
+        inert = _inert("sync", runs)
+        if inert is not None:
+            return dataclasses.replace(inert, record=record)
+    return _from_problems("sync", res.problems(), **record)
 
 
 def _golden(runs: CaseRuns) -> CheckOutcome:

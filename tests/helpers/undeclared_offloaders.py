@@ -148,7 +148,9 @@ class SizeThreshold(_Base):
     def pack(self, t: torch.Tensor):
         if self.stays(t):
             return t
-        host = torch.empty_like(t, pin_memory=t.is_cuda)  # the saved strides where dense
+        # The saved strides where dense; device="cpu" or empty_like makes a CUDA tensor, which
+        # cannot be pinned ("Only dense CPU tensors can be pinned").
+        host = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)
         return (t.device, t.stride(), host.copy_(t, non_blocking=t.is_cuda))
 
     def unpack(self, packed):
@@ -188,7 +190,8 @@ class HandBack(_Base):
     def pack(self, t: torch.Tensor):
         if self.stays(t):
             return t
-        host = torch.empty_like(t, pin_memory=t.is_cuda).copy_(t, non_blocking=t.is_cuda)
+        host = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)
+        host.copy_(t, non_blocking=t.is_cuda)
         return (t.device, host)
 
     def unpack(self, packed):

@@ -1,38 +1,37 @@
-"""The host-sync guard's plumbing, on CPU: every entry point of a backend runs inside a window
-labelled with step, microbatch and group, nothing else does, the wrapper changes no loss, and a
-sync reported inside a window (simulated here; real ones need CUDA) becomes a HostSyncError
-naming it. The detection itself is exercised on GPU by ``cases/test_sync.py``."""
+"""The host-sync guard on CPU: every entry point of a backend runs inside a window labelled with
+step, microbatch and group, nothing else does, and the wrapper changes no loss. With the CUDA
+pieces faked (``tests/helpers/fake_cuda.py``: ATen's debug mode and the explicit syncs), a sync
+made inside a window is recorded against that window - whatever the offloader does with an
+error, whatever ``-W`` says, on whichever thread - and nothing is raised: the run goes on and
+its losses are the plain run's. The verdict and the judge are in ``test_syncguard_replay.py``;
+the real detection on GPU in ``scripts/gpu_probe_sync.py`` and ``cases/test_sync.py``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import _thread
+import threading
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from fake_cuda import FakeCuda
+from undeclared_offloaders import StorageSkip
 
-from harness.execute import steps as execute
-from harness.execute.environment import Environment
-from harness.execute.steps import run_case
-from harness.measure import syncguard
+from harness.measure import syncdetect
+from harness.measure.syncdetect import FOREIGN, LATE, SYNC_MESSAGE
 from harness.measure.syncguard import (
-    GUARDED_STEP,
-    SYNC_MESSAGE,
     GuardedGroup,
     GuardedOffloader,
     GuardedRun,
-    HostSyncError,
     SyncGuard,
-    _record_explicit,
     run_guarded,
 )
 from harness.models.train import train
 from harness.offload.config import OffloadConfig
-from harness.offload.passthrough import NoOffload
-from harness.offload.protocol import Offloader
+from harness.offload.passthrough import NoOffload, apply_to_first
 from harness.offload.reference import OffloadContext
-from harness.verify.detection import SEED
-from harness.verify.judge import CaseRuns
 from harness.vocab.spec import RunSpec, preset
 
 SPEC = preset("hybrid-tiny")
@@ -41,32 +40,46 @@ CONFIG = OffloadConfig(offload_modules=("core_attn", "attn_proj"), min_offloaded
 PROBED = ("_pack", "_unpack", "_commit_forward", "_commit_backward", "_start_backward")
 
 
+@pytest.fixture(scope="module")
+def plain_losses() -> torch.Tensor:
+    return train(SPEC, RUN, NoOffload(), "cpu").losses
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    return FakeCuda().install(monkeypatch)
+
+
 class _Probe(OffloadContext):
     """The reference, noting the guard's open window at each internal entry point; ``fault``
-    names one to raise from (with ``error``) or to report an explicit sync from."""
+    names one that calls ``sync`` in the guarded step."""
 
-    def __init__(self, guard: SyncGuard, fault: str | None = None, error: bool = True) -> None:
+    def __init__(
+        self, guard: SyncGuard, fault: str | None = None, sync: Callable[[], Any] | None = None
+    ) -> None:
         super().__init__(CONFIG, "cpu")
         self.seen: list[tuple[str, int | None, str | None]] = []
         for name in PROBED:
-            setattr(self, name, self._probe(name, getattr(self, name), guard, fault, error))
+            setattr(self, name, self._probe(name, getattr(self, name), guard, fault, sync))
 
-    def _probe(self, name: str, fn: Any, guard: SyncGuard, fault: str | None, error: bool) -> Any:
+    def _probe(self, name: str, fn: Any, guard: SyncGuard, fault: str | None, sync: Any) -> Any:
         def probed(*args: Any) -> Any:
             self.seen.append((name, guard.step, guard.current))
             if name == fault and guard.armed:
-                if error:
-                    raise RuntimeError(f"called a {SYNC_MESSAGE}")
-                _record_explicit("event synchronize (simulated)")
+                sync()
             return fn(*args)
 
         return probed
 
 
-def test_every_entry_point_is_inside_a_labelled_window() -> None:
+def _guarded(probe: _Probe, guard: SyncGuard) -> GuardedRun:
+    return run_guarded(SPEC, RUN, probe, "cpu", guarded={1}, guard=guard)
+
+
+def test_every_entry_point_is_inside_a_labelled_window(plain_losses: torch.Tensor) -> None:
     guard = SyncGuard("cpu")
     probe = _Probe(guard)
-    result = run_guarded(SPEC, RUN, probe, "cpu", guarded={1}, guard=guard)
+    result = _guarded(probe, guard)
     assert not result.problems()
     steady = [(name, where) for name, step, where in probe.seen if step == 1]
     assert {name for name, _ in steady} == set(PROBED)
@@ -76,111 +89,225 @@ def test_every_entry_point_is_inside_a_labelled_window() -> None:
     assert all(where is None for _, step, where in probe.seen if step != 1)
     for kind in ("start", "enter", "pack", "exit", "commit", "backward", "unpack", "end_iteration"):
         assert result.windows[kind] > 0, kind
-    plain = train(SPEC, RUN, NoOffload(), "cpu")
-    assert result.losses is not None and torch.equal(plain.losses, result.losses)
+    assert result.losses is not None and torch.equal(plain_losses, result.losses)
+
+
+PHASES = [
+    ("_commit_forward", "commit"),
+    ("_pack", "pack"),
+    ("_unpack", "unpack"),
+    ("_commit_backward", "backward of the commit"),
+    ("_start_backward", "backward of the group start"),
+]
+
+
+@pytest.mark.parametrize(("fault", "phase"), PHASES)
+def test_a_sync_is_recorded_against_its_window_and_nothing_is_raised(
+    fault: str, phase: str, fake: FakeCuda, plain_losses: torch.Tensor
+) -> None:
+    guard = SyncGuard("cuda")
+    probe = _Probe(guard, fault, fake.implicit)
+    result = _guarded(probe, guard)  # raises nothing: the run goes on
+    calls = [where for name, step, where in probe.seen if name == fault and step == 1]
+    assert [hit.window for hit in result.hits] == calls  # one hit per call, in its own window
+    for hit in result.hits:
+        assert hit.window.startswith("step 1, microbatch ") and hit.window.endswith(f": {phase}")
+        assert (hit.call, hit.thread) == (SYNC_MESSAGE, "main"), hit
+        assert hit.source.startswith("test_syncguard.py:") and hit.source.endswith(" in probed")
+    assert result.losses is not None and torch.equal(plain_losses, result.losses)
+    assert fake.mode == 0 and guard.current is None and not guard.armed  # all put back
 
 
 @pytest.mark.parametrize(
-    ("fault", "phase"),
+    ("sync", "call", "reached"),
     [
-        ("_commit_forward", "commit"),
-        ("_pack", "pack"),
-        ("_unpack", "unpack"),
-        ("_commit_backward", "backward of the commit"),
-        ("_start_backward", "backward of the group start"),
+        (torch.cuda.synchronize, "torch.cuda.synchronize()", "device"),
+        (lambda: torch.accelerator.synchronize(), "torch.accelerator.synchronize()", "accelerator"),
+        (lambda: torch.cuda.Event.synchronize(None), "torch.cuda.Event.synchronize()", "event"),
     ],
+    ids=["device", "accelerator", "event"],
 )
-def test_a_sync_is_named_by_its_window(fault: str, phase: str) -> None:
-    _expect_named(fault, phase, error=True)
-
-
-@pytest.mark.parametrize(
-    ("fault", "phase"), [("_pack", "pack"), ("_commit_backward", "backward of the commit")]
-)
-def test_an_explicit_sync_is_named_by_its_window(fault: str, phase: str) -> None:
-    _expect_named(fault, phase, error=False)
-
-
-def _expect_named(fault: str, phase: str, *, error: bool) -> None:
-    guard = SyncGuard("cpu")
-    with pytest.raises(HostSyncError) as raised:
-        run_guarded(SPEC, RUN, _Probe(guard, fault, error), "cpu", guarded={1}, guard=guard)
-    message = str(raised.value)
-    assert message.startswith("step 1, microbatch "), message
-    assert f"): {phase}:" in message, message
-    assert guard.current is None and not guard.armed
-
-
-def test_a_guarded_run_of_a_logless_backend_that_moved_nothing_proves_nothing() -> None:
-    """Without a log, the copy observer must have seen a D2H in the guarded steps."""
-    from collections import Counter
-
-    windows = Counter(start=3, commit=3)
-    idle = GuardedRun(guarded_steps=(2,), windows=windows, observed_d2h=0)
-    assert any("copy observer saw no D2H copy" in p for p in idle.problems()), idle.problems()
-    assert GuardedRun(guarded_steps=(2,), windows=windows, observed_d2h=4).problems() == []
-
-
-# ------------------------------------------------- the guard inside a case's offload run
-# On CUDA the case runner arms the guard for step GUARDED_STEP of the offload run itself
-# (``harness.execute.steps.guards_in_offload_run``). On CPU nothing can synchronise, so these tests
-# let it guard there and simulate what ATen's debug mode raises.
-
-
-class _SyncsWhenGuarded(OffloadContext):
-    """The reference, raising what ATen's sync debug mode raises from every offloaded commit
-    made inside an armed window (as ``broken.HostSync`` does on CUDA)."""
-
-    def _commit_forward(self, group: Any, release: tuple[torch.Tensor, ...]) -> None:
-        super()._commit_forward(group, release)
-        if syncguard._LIVE and group.iter_decision == "offloaded":
-            raise RuntimeError(f"called a {SYNC_MESSAGE}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class _SyncingEnvironment(Environment):
-    def offloader(self, config: OffloadConfig) -> Offloader:
-        return _SyncsWhenGuarded(config, self.device)
-
-
-def _guarding_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(execute, "guards_in_offload_run", lambda case, env: True)
-
-
-def test_the_sync_check_reads_the_guarded_step_of_the_case_run(
-    monkeypatch: pytest.MonkeyPatch,
+def test_an_explicit_sync_is_recorded_and_still_made(
+    sync: Callable[[], None], call: str, reached: str, fake: FakeCuda
 ) -> None:
-    _guarding_on_cpu(monkeypatch)
-    runs = CaseRuns(SEED, Environment(device=torch.device("cpu")))
-    res = runs.case_run()
-    assert isinstance(res.guarded, GuardedRun), res.guarded
-    assert res.guarded.guarded_steps == (GUARDED_STEP,) and not res.guarded.problems()
-    assert res.guarded.windows["start"] > 0 and res.guarded.windows["unpack"] > 0
-    assert runs.guarded() is res.guarded and "sync" not in runs.seconds  # no run of its own
-    assert not res.proof_problems and res.d2h_watched > 0  # the offload happened
-    assert torch.equal(res.offload.losses, res.plain.losses)  # the guard changes no loss
+    guard = SyncGuard("cuda")
+    probe = _Probe(guard, "_pack", sync)
+    result = _guarded(probe, guard)
+    packs = [where for name, step, where in probe.seen if name == "_pack" and step == 1]
+    assert [(hit.window, hit.call) for hit in result.hits] == [(where, call) for where in packs]
+    assert fake.synchronized == [reached] * len(packs)  # the wrapper forwards every call
 
 
-def test_a_sync_in_the_guarded_step_is_the_sync_verdict_and_the_run_is_made_again(
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_sync_the_offloader_swallows_is_recorded_all_the_same(fake: FakeCuda) -> None:
+    def swallowing() -> None:
+        try:  # an offloader that hides its own errors: in the debug mode "error" this hides
+            fake.implicit()  # the sync, and the old guard saw nothing
+        except RuntimeError:
+            pass
+
+    fake.mode = 2
+    with pytest.raises(RuntimeError, match=SYNC_MESSAGE):
+        fake.implicit()  # what "error" would have raised into the offloader
+    fake.mode = 0
+    guard = SyncGuard("cuda")
+    result = _guarded(_Probe(guard, "_commit_forward", swallowing), guard)
+    assert result.hits and all(hit.window.endswith(": commit") for hit in result.hits)
+    assert result.sync_problems()[0].startswith(
+        "the offloader synchronised the host with the device at step 1, microbatch "
+    )
+
+
+def test_every_repeat_counts_and_no_filter_raises_or_hides_a_sync(fake: FakeCuda) -> None:
+    """A user's ``-W error`` makes no exception of a sync, ``once`` drops no repeat, and a
+    warning that is not a sync reaches the user's filters and list unchanged."""
+
+    def thrice() -> None:
+        for _ in range(3):
+            fake.implicit()  # the same line each time: one registry key
+        warnings.warn("the offloader's own note", UserWarning, stacklevel=1)
+
+    guard = SyncGuard("cuda")
+    probe = _Probe(guard, "_commit_forward", thrice)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("once")
+        warnings.filterwarnings("error", message=".*synchroniz")
+        result = _guarded(probe, guard)
+    commits = [w for name, step, w in probe.seen if name == "_commit_forward" and step == 1]
+    assert len(result.hits) == 3 * len(commits) > 0
+    notes = [str(w.message) for w in shown if "own note" in str(w.message)]
+    assert notes == ["the offloader's own note"]  # "once" held; it came through the guard
+    assert not any(SYNC_MESSAGE in str(w.message) for w in shown)  # recorded, not shown
+
+
+class _SyncOnBackward(torch.autograd.Function):
+    """An identity whose backward synchronises: a backend's own autograd node."""
+
+    sync: Callable[[], None] = staticmethod(lambda: None)
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _SyncOnBackward.sync()
+        return grad
+
+
+class _OwnFunction(StorageSkip):
+    """A corpus offloader that adds its own autograd node at the group's start or commit."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(CONFIG, "cpu")
+        self.where = where
+
+    def group(self, name: str, x: torch.Tensor, *, layer: int) -> Any:
+        inner = super().group(name, x, layer=layer)
+        if name not in self.selected:
+            return inner
+        if self.where == "start":
+            inner.input = _SyncOnBackward.apply(x)
+        else:
+            inner.commit = lambda output, release=(): apply_to_first(output, _SyncOnBackward.apply)
+        return inner
+
+
+@pytest.mark.parametrize("where", ["start", "commit"])
+def test_a_sync_in_the_backward_of_the_backends_own_function(
+    where: str, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, plain_losses: torch.Tensor
 ) -> None:
-    _guarding_on_cpu(monkeypatch)
-    res = run_case(SEED, _SyncingEnvironment(device=torch.device("cpu")))
-    assert isinstance(res.guarded, HostSyncError), res.guarded
-    message = str(res.guarded)
-    assert message.startswith(f"step {GUARDED_STEP}, microbatch 0, group "), message
-    assert "): commit: called a synchronizing CUDA operation" in message, message
-    # Kept without the traceback: its frames would hold the aborted run's model and tensors.
-    assert res.guarded.__traceback__ is None and res.guarded.__cause__ is None
-    # The other checks read the offload run made again without the guard: every step trained.
-    assert res.offload.losses.shape == res.plain.losses.shape
-    assert not res.proof_problems and res.d2h_watched > 0  # the offload happened
-    assert torch.equal(res.offload.losses, res.plain.losses) and res.verdict.ok
+    monkeypatch.setattr(_SyncOnBackward, "sync", staticmethod(fake.implicit))
+    guard = SyncGuard("cuda")
+    result = run_guarded(SPEC, RUN, _OwnFunction(where), "cpu", guarded={1}, guard=guard)
+    phase = "backward of the group start" if where == "start" else "backward of the commit"
+    # Two groups a layer, every layer, both microbatches: each backward of the node syncs once.
+    assert len(result.hits) == result.windows["backward"] > 0
+    assert all(hit.window.endswith(f": {phase}") and hit.kind == "backward" for hit in result.hits)
+    assert result.hits[0].source.endswith(" in backward")
+    assert result.losses is not None and torch.equal(plain_losses, result.losses)
 
 
-def test_the_guard_is_not_in_the_offload_run_on_cpu() -> None:
-    res = run_case(SEED, Environment(device=torch.device("cpu")))
-    assert res.guarded is None  # the sync check is n-a on CPU and makes no run
+def _on_foreign_thread(work: Callable[[], None]) -> None:
+    """Run ``work`` on a thread Python's ``threading`` did not start (as autograd's device
+    thread is), and wait for it."""
+    done = _thread.allocate_lock()
+    done.acquire()
+
+    def run() -> None:
+        try:
+            work()
+        finally:
+            done.release()
+
+    _thread.start_new_thread(run, ())
+    done.acquire()
+
+
+def test_windows_are_per_thread_and_no_dummy_thread_is_left(fake: FakeCuda) -> None:
+    guard = SyncGuard("cuda", armed=True)
+    before = set(threading.enumerate())
+
+    def backward_hook() -> None:
+        with guard.window("unpack", "step 2, microbatch 0, group core_attn (layer 0): unpack"):
+            fake.implicit()
+
+    with guard.window("commit", "step 2, microbatch 0, group attn_proj (layer 0): commit"):
+        _on_foreign_thread(backward_hook)
+        fake.implicit()
+        helper = threading.Thread(target=torch.cuda.synchronize, name="helper")
+        helper.start()  # a thread with no window of its own: not the offloader's
+        helper.join()
+    guard.reset()
+    assert [(hit.kind, hit.thread) for hit in guard.hits] == [
+        ("unpack", FOREIGN),
+        ("commit", "main"),
+    ]
+    assert guard.hits[0].window.endswith("core_attn (layer 0): unpack")
+    assert guard.hits[1].window.endswith("attn_proj (layer 0): commit")
+    assert fake.synchronized == ["device"]  # made, not recorded
+    assert set(threading.enumerate()) == before  # the leftover check sees nothing new
+
+
+def test_a_warning_autograd_reports_after_the_windows_is_charged_to_the_backward(
+    fake: FakeCuda,
+) -> None:
+    """The engine replays a C++ node's warnings when the backward ends; the debug mode was on
+    only inside windows, so the sync came from one."""
+    guard = SyncGuard("cuda", armed=True)
+    guard.step = 2
+    with guard.window("backward", "step 2, microbatch 0, group core_attn (layer 0): backward"):
+        pass
+    warnings.warn(SYNC_MESSAGE, UserWarning, stacklevel=1)  # the replay, no window open
+    torch.cuda.synchronize()  # the runner's own, outside every window: not recorded
+    guard.reset()
+    assert [(hit.kind, hit.window.split(":")[0]) for hit in guard.hits] == [
+        (LATE, "step 2, the backward")
+    ]
+    # Had the debug mode been on before the guard (someone else's), a late warning may be
+    # anyone's: it is not charged.
+    fake.mode = 1
+    other = SyncGuard("cuda", armed=True)
+    with other.window("commit", "w"):
+        pass
+    warnings.warn(SYNC_MESSAGE, UserWarning, stacklevel=1)
+    other.reset()
+    assert other.hits == [] and fake.mode == 1
+
+
+def test_reset_puts_back_everything_it_replaced(fake: FakeCuda) -> None:
+    shown, filters = warnings.showwarning, list(warnings.filters)
+    wrapped = (torch._C._cuda_synchronize, torch.cuda.Event.synchronize)
+    guard = SyncGuard("cuda", armed=True)
+    guard.open("pack", "outer")
+    guard.open("unpack", "inner")
+    assert fake.mode == 1 and warnings.showwarning is not shown
+    assert torch._C._cuda_synchronize is not wrapped[0]
+    guard.close()
+    assert fake.mode == 1  # a window is still open
+    guard.reset()  # the step ended with "outer" open (a backward that raised, say)
+    assert fake.modes[-1] == 0 and guard.current is None
+    assert warnings.showwarning is shown and list(warnings.filters) == filters
+    assert (torch._C._cuda_synchronize, torch.cuda.Event.synchronize) == wrapped
 
 
 def test_a_disarmed_guard_hands_out_the_backends_own_group() -> None:
@@ -192,3 +319,10 @@ def test_a_disarmed_guard_hands_out_the_backends_own_group() -> None:
     assert not isinstance(wrapped.group("core_attn", x, layer=0), GuardedGroup)
     guard.armed = True
     assert isinstance(wrapped.group("attn_proj", x, layer=0), GuardedGroup)
+
+
+def test_a_sync_hit_reads_back_from_its_record() -> None:
+    hit = syncdetect.SyncHit(window="w", kind="pack", call=SYNC_MESSAGE, source="f.py:1 in g")
+    assert syncdetect.SyncHit.from_record(hit.record()) == hit
+    with pytest.raises(ValueError, match="unknown \\['stack'\\], missing \\['call'\\]"):
+        syncdetect.SyncHit.from_record({"window": "w", "kind": "pack", "stack": "x"})
