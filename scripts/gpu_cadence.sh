@@ -14,7 +14,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-  git rev-parse HEAD
+  # the commit a report records: git's, else OFFLOAD_HARNESS_COMMIT's (a tree copied without .git)
+  echo "commit $(git rev-parse HEAD 2>/dev/null || echo "${OFFLOAD_HARNESS_COMMIT:-unknown}")"
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 

@@ -5,7 +5,8 @@ Folder names: ``reports/<UTC time>_<harness sha>[_dirty]/``, each created atomic
 (``run_folder``: ``mkdir`` without ``exist_ok``, the next ``-2``, ``-3``... suffix on
 ``FileExistsError``), so runs started together on one parent never share a folder.
 ``claim_run_folder`` also proves the folder writable before any training (``ReportDirError``).
-The commit recorded is the harness's own (its package's checkout, else its installed version),
+The commit recorded is the harness's own (its package's checkout; where git cannot tell, as in
+a copy of the tree without ``.git``, ``$OFFLOAD_HARNESS_COMMIT``; else its installed version),
 not the current directory's.
 """
 
@@ -17,6 +18,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -39,6 +41,12 @@ HARNESS_VERSION = _version()
 
 PACKAGE_DIR = Path(harness.__file__).resolve().parent
 """The harness package's folder: its git checkout (if any) is the commit a report records."""
+
+COMMIT_VARIABLE = "OFFLOAD_HARNESS_COMMIT"
+"""Environment variable: the harness's commit where git cannot tell (a copy of the work tree
+without ``.git``, as a lent GPU machine receives it); git's answer wins where there is one."""
+
+_SHA = re.compile(r"[0-9a-f]{7,64}")
 
 STATUSES = ("complete", "running", "interrupted", "terminated", "timed-out", "aborted")
 """``summary.json``'s ``status``: the run ended by itself (``complete``, the default), it is
@@ -88,14 +96,35 @@ def _harness_checkout() -> Path | None:
     return PACKAGE_DIR if tracked else None
 
 
+def given_commit() -> str | None:
+    """``$OFFLOAD_HARNESS_COMMIT``, lowercased; None when unset or empty. A value that is no
+    commit sha (7 to 64 hex digits) is a ``ValueError`` with one line: the entry points that
+    write a report call this before any work (``claim_run_folder`` does)."""
+    value = os.environ.get(COMMIT_VARIABLE, "").strip()
+    if not value:
+        return None
+    if not _SHA.fullmatch(value.lower()):
+        raise ValueError(
+            f"{COMMIT_VARIABLE} must be a git commit sha (7 to 64 hex digits); the "
+            f"environment has {value!r}"
+        )
+    return value.lower()
+
+
 def commit_info() -> dict[str, Any]:
     """The harness's own commit: ``sha`` and ``dirty`` (uncommitted changes to tracked files)
-    of the checkout its package lives in, ``source`` ``git``; for an installed copy ``sha``
-    and ``dirty`` are None and ``source`` is ``package``. ``version`` is the installed
-    package version either way."""
+    of the checkout its package lives in, ``source`` ``git``; where git cannot tell (no
+    checkout tracks the package, e.g. a copy of the tree without ``.git``) the sha
+    ``$OFFLOAD_HARNESS_COMMIT`` names, ``dirty`` None (unknown) and ``source``
+    ``environment``; without it ``sha`` and ``dirty`` are None and ``source`` is ``package``.
+    ``version`` is the installed package version in every case."""
     checkout = _harness_checkout()
     found = _checkout_commit(checkout) if checkout is not None else {"sha": None, "dirty": None}
-    source = "git" if found["sha"] else "package"
+    source = "git"
+    if not found["sha"]:
+        given = given_commit()
+        found = {"sha": given, "dirty": None}
+        source = "environment" if given else "package"
     return {**found, "source": source, "version": HARNESS_VERSION}
 
 
@@ -132,8 +161,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def folder_name() -> str:
-    """``<UTC time>_<harness sha>[_dirty]`` for a new report folder (``v<version>`` instead of
-    the sha for an installed copy, ``nogit`` when neither is known)."""
+    """``<UTC time>_<harness sha>[_dirty]`` for a new report folder (the sha from git or
+    ``$OFFLOAD_HARNESS_COMMIT``; ``v<version>`` instead for an installed copy without either,
+    ``nogit`` when nothing is known)."""
     commit = commit_info()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     if commit["sha"]:
@@ -182,7 +212,9 @@ def claim_run_folder(root: Path, name: str | None = None, *, exact: bool = False
     ``root/name``, which must not exist yet) and prove it writable with a probe file, before
     any training. Raises ``ReportDirError`` with one line, ``--report-dir <root>: <reason>``
     (a file, a read-only or unwritable folder, ``/proc``...; with ``exact``, ``--report-name
-    <name>: ... already exists``)."""
+    <name>: ... already exists``); a malformed ``$OFFLOAD_HARNESS_COMMIT`` is the
+    ``ValueError`` of ``given_commit``, before anything is created."""
+    given_commit()
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise ReportDirError(f"--report-dir {root}: not a folder (a file is in the way)")

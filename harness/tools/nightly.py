@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from harness.cases import Case, matrix
-from harness.reporting.report import folder_name
+from harness.reporting.report import folder_name, given_commit
 from harness.run import settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if settings.resolve_report_dir(args.report_dir) is None:
             raise settings.SettingError("--report-dir: the gate reads the report; name a folder")
-    except settings.SettingError as exc:
+        given_commit()  # the folder name below reads it
+    except ValueError as exc:  # a SettingError, or a malformed OFFLOAD_HARNESS_COMMIT
         print(f"offload-harness nightly: error: {exc}", file=sys.stderr)
         return 2
     args.backend, args.jobs = resolved.backend.spelling, resolved.jobs

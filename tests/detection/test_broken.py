@@ -33,7 +33,7 @@ from harness.offload.backends import (
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Capabilities, IterationLog, declare
-from harness.offload.reference import OffloadContext, RaceDelays
+from harness.offload.reference import GroupState, OffloadContext, RaceDelays
 from harness.offload.semantics import MEGATRON_MAIN
 from harness.verify import detection
 from harness.vocab.spec import RunSpec, preset
@@ -189,6 +189,103 @@ def test_reload_before_d2h_needs_an_open_window() -> None:
     """A cap of 0 in-flight offloads makes every D2H land at its commit: nothing to race."""
     result, plain = _run(broken.ReloadBeforeD2H, _config(SEED_NAMES, inflight=0))
     assert torch.equal(result.losses, plain)
+
+
+GroupKey = tuple[int, int, int, str]
+"""(iteration, microbatch, layer, name): one group occurrence."""
+
+
+class _LandingOrder(broken.ReloadBeforeD2H):
+    """``ReloadBeforeD2H`` recording, in order, each group occurrence's commit, its reload
+    (inline or prefetched, and whether its D2H copies were still queued then), its H2D copies
+    and the landing of its D2H copies."""
+
+    def __init__(self, config: OffloadConfig, device: torch.device) -> None:
+        super().__init__(config, device)
+        self.events: list[tuple[str, GroupKey]] = []
+        self.queued_at_reload: dict[GroupKey, bool] = {}
+
+    def _key(self, group: GroupState) -> GroupKey:
+        return (len(self._logs), group.chunk.microbatch, group.layer, group.name)
+
+    def _commit_forward(self, group: GroupState, release: tuple[torch.Tensor, ...]) -> None:
+        super()._commit_forward(group, release)
+        self.events.append(("commit", self._key(group)))
+
+    def _reload(self, group: GroupState, *, inline: bool = False) -> None:
+        self.events.append(("inline" if inline else "prefetch", self._key(group)))
+        self.queued_at_reload[self._key(group)] = group in self._in_flight
+        super()._reload(group, inline=inline)
+
+    def _h2d_copy(self, group: GroupState, restored: torch.Tensor, buffer: torch.Tensor) -> None:
+        self.events.append(("h2d", self._key(group)))
+        super()._h2d_copy(group, restored, buffer)
+
+    def _issue_landing(
+        self, group: GroupState, copies: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        self.events.append(("land", self._key(group)))
+        super()._issue_landing(group, copies)
+
+
+def _landing_order(inflight: int | None) -> tuple[_LandingOrder, TrainResult, torch.Tensor]:
+    """1F1B (F0, F1 B0, B1) over two steps of the attention groups, recorded."""
+    off = _LandingOrder(_config(ATTENTION, inflight=inflight), CPU)
+    run = RunSpec(steps=2, microbatches=2, schedule="1f1b", precision="fp32")
+    try:
+        result = train(preset("hybrid-tiny"), run, off, CPU)
+    finally:
+        off.close()
+    return off, result, _plain("hybrid-tiny", 2, 2, "1f1b")
+
+
+def test_reload_before_d2h_reads_before_the_landing_on_the_inline_path_only() -> None:
+    """The order CUDA's streams are made to follow too (there the landing D2H waits for the
+    H2D's reload event): an inline reload's H2D copies come before its D2H lands, a prefetched
+    reload's after. Without a cap every D2H is still queued at its reload. In the warmup
+    iteration the first reload of each chunk's backward is inline: no group of the chunk has
+    ended its backward yet (a group's end prefetches the next) and the warmup has no backward
+    order to prefetch across chunks with."""
+    off, result, plain = _landing_order(None)
+    events = off.events
+    reloads = [(kind, key) for kind, key in events if kind in ("inline", "prefetch")]
+    for microbatch in (0, 1):
+        first = next(kind for kind, key in reloads if key[:2] == (0, microbatch))
+        assert first == "inline", f"microbatch {microbatch}'s first reload is {first}"
+    for kind, key in reloads:
+        assert off.queued_at_reload[key], f"{key}: no D2H left queued without a cap"
+        h2d = [i for i, event in enumerate(events) if event == ("h2d", key)]
+        (land,) = [i for i, event in enumerate(events) if event == ("land", key)]
+        assert h2d and (max(h2d) < land if kind == "inline" else land < min(h2d)), (kind, key)
+    assert torch.equal(result.losses[0], plain[0])  # the forward of step 0 is untouched
+    assert not torch.equal(result.losses[1], plain[1])
+
+
+def test_reload_before_d2h_lands_every_d2h_at_its_commit_under_a_cap_of_0() -> None:
+    """The window closes with the cap, on the inline path too: nothing queued at any reload."""
+    off, result, plain = _landing_order(0)
+    assert off.queued_at_reload and not any(off.queued_at_reload.values())
+    assert any(kind == "inline" for kind, _ in off.events)
+    assert torch.equal(result.losses, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("inflight", [None, 0], ids=["no-cap", "cap-0"])
+def test_reload_before_d2h_on_cuda_without_race_delays(inflight: int | None) -> None:
+    """On CUDA, with no race delays, the 1F1B run of ``_landing_order``: step 1's losses
+    differ (step 0's backward read zeroed host buffers) on every card, however long the host
+    takes between a commit and its inline reload; a cap of 0 closes the window there too."""
+    cuda = torch.device("cuda")
+    run = RunSpec(steps=2, microbatches=2, schedule="1f1b", precision="fp32")
+    plain = train(preset("hybrid-tiny"), run, NoOffload(), cuda).losses
+    off = broken.ReloadBeforeD2H(_config(ATTENTION, inflight=inflight), cuda)
+    try:
+        losses = train(preset("hybrid-tiny"), run, off, cuda).losses
+    finally:
+        off.close()
+    assert torch.equal(losses[0], plain[0])
+    assert torch.equal(losses[1], plain[1]) == (inflight == 0), (losses, plain)
 
 
 def test_wrong_microbatch_shows_under_1f1b_only() -> None:

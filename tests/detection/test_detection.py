@@ -162,6 +162,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("entry", [_param(broken, env) for broken in entries])
 
 
+def test_reload_before_d2h_is_caught_alike_on_both_devices() -> None:
+    """``broken.reload_before_d2h`` is caught where an inline reload finds its D2H still
+    queued: on rows without a cap of 0 in-flight offloads (that cap lands each D2H at its
+    commit; ``tests/detection/test_broken.py``), with the same catchers on both devices and no
+    race delays on CUDA (its D2H is deferred there too), so no card's speed decides the catch."""
+    broken = entry("broken.reload_before_d2h")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert broken.catchers and _catchers(broken, cuda) == _catchers(broken, cpu)
+    for check, case in broken.catchers:
+        assert check == "equivalence" and case.max_inflight != 0, case.name
+    assert broken.cuda_delays == NO_DELAYS and _backend(broken, cuda) == broken.name
+
+
 # ------------------------------------------------------------------------------ fixtures
 
 

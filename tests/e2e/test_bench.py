@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import shutil
 import statistics
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+import harness
 from harness.measure import timeline
 from harness.offload.config import OffloadConfig
 from harness.tools.bench import driver, main, trace
@@ -54,7 +58,29 @@ def test_cpu_smoke_run_writes_every_variant(
     verdicts = {t["target"]: t["verdict"] for t in report["targets"]}
     assert "reference faster than save_on_cpu" in verdicts
     assert set(verdicts.values()) <= {"PASS", "SHORT", "n/a"}
-    assert report["commit"]["sha"] and report["machine"]["torch"] == torch.__version__
+    assert report["machine"]["torch"] == torch.__version__
+    assert report["commit"] == _expected_commit(report["harness_version"])
+
+
+def _expected_commit(version: str) -> dict[str, Any]:
+    """The commit a report must record here (docs/reports.md): git's, where a checkout tracks
+    the harness package; else ``$OFFLOAD_HARNESS_COMMIT``'s (a copy of the tree without
+    ``.git`` that was given it); else the unknown form (no sha, source ``package``)."""
+    folder = Path(harness.__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        done = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    given = os.environ.get("OFFLOAD_HARNESS_COMMIT", "").strip().lower()
+    if shutil.which("git") and git("ls-files", "--error-unmatch", "__init__.py"):
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        sha, source = git("rev-parse", "HEAD"), "git"
+    elif given:
+        sha, dirty, source = given, None, "environment"
+    else:
+        sha, dirty, source = None, None, "package"
+    return {"sha": sha, "dirty": dirty, "source": source, "version": version}
 
 
 def test_cpu_rounds_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,6 +210,20 @@ def test_bad_input_is_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("bench: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_malformed_commit_variable_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before any training, not when ``bench.json`` is written at the end."""
+    monkeypatch.setenv("OFFLOAD_HARNESS_COMMIT", "v1.2")
+    assert main(["--device", "cpu", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "bench: OFFLOAD_HARNESS_COMMIT must be a git commit sha (7 to 64 hex digits); the "
+        "environment has 'v1.2'\n"
+    ), err
+    assert not (tmp_path / "b").exists()
 
 
 def test_device_defaults_to_auto() -> None:

@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import shlex
+import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -290,9 +291,11 @@ def test_commit_from_a_plain_folder_and_from_the_checkout(
 def test_commit_of_an_installed_copy_is_its_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A package folder no checkout tracks records the installed version instead."""
+    """A package folder no checkout tracks records the installed version instead (without
+    ``OFFLOAD_HARNESS_COMMIT``)."""
     monkeypatch.setattr(report, "PACKAGE_DIR", tmp_path)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(report.COMMIT_VARIABLE, raising=False)
     commit = commit_info()
     assert commit == {
         "sha": None,
@@ -302,6 +305,79 @@ def test_commit_of_an_installed_copy_is_its_version(
     }
     expected = f"v{report.HARNESS_VERSION}" if report.HARNESS_VERSION != "unknown" else "nogit"
     assert folder_name().split("_")[1] == expected
+
+
+def test_commit_where_git_cannot_tell_is_the_variable_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package folder no checkout tracks (a copy of the tree without ``.git``) records the
+    sha ``OFFLOAD_HARNESS_COMMIT`` names, lowercased, its dirty flag unknown: in the commit, the
+    folder name and the summary. Empty, the variable is unset."""
+    monkeypatch.setattr(report, "PACKAGE_DIR", tmp_path)
+    monkeypatch.chdir(tmp_path)
+    given = "0123456789ABCDEF0123456789abcdef01234567"
+    monkeypatch.setenv(report.COMMIT_VARIABLE, f" {given}\n")
+    sha = given.lower()
+    expected = {"sha": sha, "dirty": None, "source": "environment"}
+    assert commit_info() == {**expected, "version": report.HARNESS_VERSION}
+    assert folder_name().split("_")[1:] == [sha[:10]]  # no _dirty: unknown is not dirty
+    assert json.loads(summary_text([]))["commit"]["sha"] == sha
+    monkeypatch.setenv(report.COMMIT_VARIABLE, "")
+    assert commit_info()["sha"] is None and commit_info()["source"] == "package"
+
+
+def test_git_wins_over_the_commit_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkout that tracks the package folder: git's sha, whatever the variable says."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git (builds a checkout)")
+    package = tmp_path / "harness"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    _git("init", "-q", cwd=tmp_path)
+    _git("add", ".", cwd=tmp_path)
+    ident = ["-c", "user.name=t", "-c", "user.email=t@example.com"]
+    _git(*ident, "commit", "-q", "-m", "package", cwd=tmp_path)
+    monkeypatch.setattr(report, "PACKAGE_DIR", package)
+    monkeypatch.setenv(report.COMMIT_VARIABLE, "f" * 40)
+    sha = _git("rev-parse", "HEAD", cwd=tmp_path)
+    assert sha != "f" * 40
+    assert commit_info() == {
+        "sha": sha,
+        "dirty": False,
+        "source": "git",
+        "version": report.HARNESS_VERSION,
+    }
+
+
+@pytest.mark.parametrize("value", ["main", "123456", "g" * 40, "0" * 65, "abc def0"])
+def test_malformed_commit_variable_is_one_line_before_any_folder(
+    value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not 7 to 64 hex digits: one line naming the variable and the value, before the report
+    folder is made (``run`` turns it into a usage error, exit 2)."""
+    monkeypatch.setenv(report.COMMIT_VARIABLE, value)
+    with pytest.raises(ValueError) as exc:
+        claim_run_folder(tmp_path / "reports")
+    message = str(exc.value)
+    assert "\n" not in message and message.startswith(f"{report.COMMIT_VARIABLE} must be a git")
+    assert repr(value) in message
+    assert not (tmp_path / "reports").exists()
+
+
+def test_pytest_malformed_commit_variable_is_a_usage_error(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(test_inner="def test_ok():\n    pass\n")
+    monkeypatch.setenv(report.COMMIT_VARIABLE, "HEAD")
+    result = pytester.runpytest(*PLUGINS, "--device", "cpu", "--report-dir", "m")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    lines = [*result.outlines, *result.errlines]
+    errors = [line for line in lines if line.startswith("ERROR:")]
+    assert errors == [
+        f"ERROR: {report.COMMIT_VARIABLE} must be a git commit sha (7 to 64 hex digits); "
+        "the environment has 'HEAD'"
+    ], lines
+    assert not (pytester.path / "m").exists()
 
 
 # ------------------------------------------------------------------------------- summary

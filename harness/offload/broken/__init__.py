@@ -6,7 +6,9 @@ step overridden. On CUDA the fault is the genuine one (a missing event edge, a m
 delays (``RaceDelays``; backend spelling ``broken.<name>+delays``). On CPU the reference copies
 synchronously, so a stream race cannot happen by itself; where the class allows, a deterministic
 stand-in shows the same effect: a copy that is *deferred* until something waits for it plays a
-copy still in flight.
+copy still in flight. ``broken.reload_before_d2h`` defers its D2H on CUDA too (its missing
+edge is genuine, the copy still queued when the H2D reads is the stand-in): its window is host
+time that a fixed GPU sleep does not reliably outlast (``races.ReloadBeforeD2H``).
 
 ``OFFLOADERS`` lists every broken backend with its bug class, the real-world report it
 reproduces (a public bug report or a peer test's blind spot), whether CPU can show it, and its
@@ -67,7 +69,8 @@ class BrokenOffloader:
     cpu: bool
     """Whether the class can show on CPU at all (False: CUDA only)."""
     cuda_delays: RaceDelays = NO_DELAYS
-    """Race delays that widen its window on CUDA (``scripts/mutation_score --device cuda``)."""
+    """Race delays that widen its window on CUDA (``scripts/mutation_score --device cuda``);
+    none for a class that shows without them (a deterministic stand-in, or no race)."""
 
     @property
     def name(self) -> str:
@@ -83,8 +86,7 @@ OFFLOADERS: tuple[BrokenOffloader, ...] = (
         factory=ReloadBeforeD2H,
         bug_class="inline reload reads a host buffer before its D2H finished",
         reference="Megatron-LM #7398",
-        cpu=True,
-        cuda_delays=RaceDelays(d2h=LONG_DELAY),
+        cpu=True,  # and on CUDA without delays: its D2H is deferred there too (races.py)
     ),
     BrokenOffloader(
         factory=SourceReuse,

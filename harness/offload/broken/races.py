@@ -1,7 +1,10 @@
 """Broken offloaders whose bug is a race between a copy and the memory it reads or writes
-(a D2H or H2D still in flight): the fault is genuine on CUDA, widened by the reference's race
-delays, and on CPU a deferred copy stands in for the copy still in flight (``_DeferredD2H``,
-a D2H that lands only when something waits for it; ``PoolEarlyReuse``'s H2D likewise)."""
+(a D2H or H2D still in flight). On CPU a deferred copy stands in for the copy still in flight
+(``_DeferredD2H``, a D2H that lands only when something waits for it; ``PoolEarlyReuse``'s H2D
+likewise). On CUDA ``SourceReuse`` and ``PoolEarlyReuse`` keep the genuine race, widened by the
+reference's race delays; ``ReloadBeforeD2H`` defers its D2H copies there too, on the D2H
+stream: its window is host time (a whole microbatch's forward or backward under 1F1B), which no
+fixed GPU sleep is sure to outlast (see its docstring)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from harness.offload.reference import GroupState, OffloadContext, RaceDelays, gr
 
 class _ZeroedPool(HostBufferPool):
     """A pool whose new buffers start zeroed, so reading one before any copy landed in it is
-    deterministic (CPU stand-ins only)."""
+    deterministic (a fresh pinned block may hold the bytes of an identical earlier run in the
+    process, which would read back right)."""
 
     def acquire(
         self, shape: torch.Size, dtype: torch.dtype, stream: torch.cuda.Stream | None
@@ -38,18 +42,25 @@ class _RecentFirstPool(_ZeroedPool):
 
 
 class _DeferredD2H(OffloadContext):
-    """CPU stand-in for a D2H still in flight (on CUDA this class changes nothing).
+    """A D2H still in flight, played by a deferred copy: on CPU always, on CUDA where the class
+    sets ``defers_on_cuda`` (otherwise this class changes nothing there).
 
     A group's D2H copies are queued at its commit and *land* only when something waits for
     them: a prefetch's wait on the group's D2H, the max-inflight cap (the compute stream waits
     for the oldest D2H of the name), or the end of the iteration. A landing copy runs inside its
     group's d2h profiler range, so the transfer counts and the log are those of the reference.
+    On CUDA it is issued on the D2H stream, which waited for the compute stream at the commit
+    (so it reads the sources as they were then; the queue holds them alive), and the group's D2H
+    event is recorded again after it, so every wait on that event waits for the landed copies.
     New host buffers start zeroed.
     """
 
     release_waits_for_d2h = True
     """Forced releases happen when the copies land (the reference's ``record_stream`` keeps the
     memory until the D2H has read it); False frees them at the commit."""
+    defers_on_cuda = False
+    """Whether the D2H copies are deferred on CUDA too (False: the genuine copies at the commit,
+    the race left to the streams and the race delays)."""
 
     def __init__(
         self,
@@ -59,38 +70,52 @@ class _DeferredD2H(OffloadContext):
         delays: RaceDelays | None = None,
     ) -> None:
         super().__init__(config, device, delays=delays)
-        if not self.cuda:
-            self.pool = _ZeroedPool(pin_memory=False)
+        self._defers = self.defers_on_cuda or not self.cuda
+        if self._defers:
+            self.pool = _ZeroedPool(pin_memory=self.cuda, cap=self.config.pinned_pool_buffers)
         self._in_flight: dict[GroupState, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._held_releases: dict[GroupState, tuple[torch.Tensor, ...]] = {}
         self._cap_queue: dict[str, deque[GroupState]] = {}
 
     def _new_host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         buffer = super()._new_host_buffer(shape, dtype)
-        return buffer if self.cuda else buffer.zero_()
+        return buffer.zero_() if self._defers else buffer
 
     def _d2h_copy(self, group: GroupState, buffer: torch.Tensor, src: torch.Tensor) -> None:
-        if self.cuda:
-            super()._d2h_copy(group, buffer, src)
-        else:
+        if self._defers:
             self._in_flight.setdefault(group, []).append((buffer, src))
+        else:
+            super()._d2h_copy(group, buffer, src)
 
     def _release(self, group: GroupState, release: tuple[torch.Tensor, ...]) -> None:
-        if self.cuda or not self.release_waits_for_d2h or group not in self._in_flight:
-            super()._release(group, release)
-        else:
+        if self._defers and self.release_waits_for_d2h and group in self._in_flight:
             self._held_releases[group] = release
+        else:
+            super()._release(group, release)
 
-    def _land(self, group: GroupState) -> None:
-        """The group's queued D2H copies complete now."""
+    def _land(self, group: GroupState, *, after: torch.cuda.Event | None = None) -> None:
+        """The group's queued D2H copies complete now; on CUDA the D2H stream first waits for
+        ``after`` where given."""
         copies = self._in_flight.pop(group, [])
-        if copies:
-            with group_range("d2h", group):
-                for buffer, src in copies:
-                    super()._d2h_copy(group, buffer, self._landing_source(buffer, src))
+        if copies and self.cuda:
+            with torch.cuda.stream(self._d2h):
+                if after is not None:
+                    self._d2h.wait_event(after)
+                self._issue_landing(group, copies)
+                group.d2h_event.record(self._d2h)
+        elif copies:
+            self._issue_landing(group, copies)
         held = self._held_releases.pop(group, None)
         if held is not None:
             super()._release(group, held)
+
+    def _issue_landing(
+        self, group: GroupState, copies: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """The landing copies themselves, on the current stream, in the group's d2h range."""
+        with group_range("d2h", group):
+            for buffer, src in copies:
+                super()._d2h_copy(group, buffer, self._landing_source(buffer, src))
 
     def _landing_source(self, buffer: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """What a landing copy reads (the source itself here)."""
@@ -101,14 +126,14 @@ class _DeferredD2H(OffloadContext):
         super()._await_d2h(group, inline=inline)
 
     def _cap_inflight(self, group: GroupState) -> None:
-        super()._cap_inflight(group)
         cap = self.config.max_inflight_offloads
-        if self.cuda or cap is None:
-            return
-        queue = self._cap_queue.setdefault(group.name, deque())
-        queue.append(group)
-        while len(queue) > cap:
-            self._land(queue.popleft())
+        if self._defers and cap is not None:
+            queue = self._cap_queue.setdefault(group.name, deque())
+            queue.append(group)
+            while len(queue) > cap:
+                # before the reference makes the compute stream wait for its D2H event
+                self._land(queue.popleft())
+        super()._cap_inflight(group)
 
     def end_iteration(self) -> None:
         for group in list(self._in_flight):
@@ -120,16 +145,28 @@ class _DeferredD2H(OffloadContext):
 class ReloadBeforeD2H(_DeferredD2H):
     """Reload reads a host buffer before its D2H finished (Megatron-LM #7398, fix PR #7399).
 
-    The inline reload (backward unpacks a tensor of a group nobody prefetched; in the warmup
-    iteration the first group of each chunk's backward) has no edge on the group's D2H event.
-    CUDA: the H2D stream skips ``wait_event(d2h_event)`` on that path; ``+delays`` with a slow
-    D2H stream widens the window. CPU: the inline path reads the buffer first, the deferred D2H
-    lands afterwards (zeroed or stale bytes come back). Caught by loss equivalence (the warmup
-    step's gradients); a cap of 0 in-flight offloads closes the window (the compute stream waits
-    for each D2H at its commit), on both devices.
+    The inline reload (backward unpacks a tensor of a group nobody prefetched: in the warmup
+    iteration the first group of each chunk's backward, and any group the prefetches passed
+    over) has no edge on the group's D2H: its H2D skips ``wait_event(d2h_event)``, and its D2H
+    lands only after the H2D has read the buffer (zeroed when new, else the bytes of the
+    buffer's previous group). A prefetched reload waits for its D2H as the reference does, and
+    a cap of 0 in-flight offloads closes the window (each D2H lands at its commit and the
+    compute stream waits for it). Caught by loss equivalence and the reload checksums (the
+    warmup step), on both devices.
+
+    CUDA defers the D2H copies as CPU does (``defers_on_cuda``): they are issued on the D2H
+    stream when something waits for them, the inline path's after the D2H stream has waited
+    for the H2D's reload event. The genuine race (copies issued at the commit behind a sleep on
+    the D2H stream) was a toss-up: its window runs from the commit to the inline H2D, host time
+    that under 1F1B spans microbatch 1's whole forward (for microbatch 0's last groups) or
+    microbatch 0's whole backward (for microbatch 1's), against a fixed GPU sleep (20M cycles,
+    about 10 ms at the 1.98 GHz both the H100 and the H200 run at); an H100 box lost it on the
+    1F1B attention row. Deferred, the D2H is still queued when the H2D reads: the race's worst
+    interleaving, every time, on the inline path only.
     """
 
     name = "broken.reload_before_d2h"
+    defers_on_cuda = True
 
     def _await_d2h(self, group: GroupState, *, inline: bool) -> None:
         if not inline:
@@ -137,7 +174,9 @@ class ReloadBeforeD2H(_DeferredD2H):
 
     def _reload(self, group: GroupState, *, inline: bool = False) -> None:
         super()._reload(group, inline=inline)
-        self._land(group)  # CPU: the copy lands after the inline H2D has read the buffer
+        # The copy lands after the inline H2D has read the buffer (a prefetched group's landed
+        # before its H2D, in _await_d2h); on CUDA the D2H stream waits for the H2D's event.
+        self._land(group, after=group.reload_event)
 
 
 class SourceReuse(_DeferredD2H):

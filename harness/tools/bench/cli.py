@@ -100,7 +100,13 @@ from pathlib import Path
 import torch
 
 from harness.offload.pool import no_deterministic_fill
-from harness.reporting.report import HARNESS_VERSION, commit_info, machine_info, run_folder
+from harness.reporting.report import (
+    HARNESS_VERSION,
+    commit_info,
+    given_commit,
+    machine_info,
+    run_folder,
+)
 from harness.run import settings
 from harness.run.settings import resolve_device
 from harness.tools.bench.driver import bench_one
@@ -212,6 +218,7 @@ def select_device(text: str) -> torch.device:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:  # bad input (a SettingError from --device included) is one line and exit code 2
+        given_commit()  # a malformed OFFLOAD_HARNESS_COMMIT now, not after the benchmark
         device = select_device(args.device)
         cpu = device.type == "cpu"
         args.models = args.models or (
