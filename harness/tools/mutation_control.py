@@ -121,8 +121,8 @@ def judge_control(case: Case, env: Environment) -> ControlRow:
 
 
 class InvalidScore(Exception):
-    """The control failed on a row the score was taken on (``harness.tools.mutation_score
-    .score_one``): no verdict on a broken offloader means anything there."""
+    """The control failed on a row the score was taken on (raised by ``score_one`` of
+    ``harness.tools.mutation_score``): no verdict on a broken offloader means anything there."""
 
 
 def invalid_lines(rows: list[ControlRow]) -> list[str]:
