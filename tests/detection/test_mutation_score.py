@@ -6,7 +6,15 @@
   another reason is no catch either;
 * a deliberately drifted golden folder changes no verdict: the reference stays uncaught, a
   broken offloader is caught by the same check for the same reason;
-* ``--undeclared`` parses, and is passed to ``Environment`` only when on.
+* ``--undeclared`` parses, and is passed to ``Environment`` only when on;
+* the control: a failing check but golden on a scored row makes the score invalid (exit 1, the
+  rows and checks named; stand-in judges, and a real broken offloader as the control); pass,
+  inert, refused, n-a or skipped checks and a golden drift leave it valid;
+* with the declarations hidden, "no single rule explains" is a catch only where the control's
+  row does not say it too;
+* the schedule: the control once per row, before the entries sharing its worker call; the
+  rest of the matrix only after the catchers missed; a learnable fault judged on its catchers
+  only when undeclared.
 """
 
 from __future__ import annotations
@@ -378,3 +386,16 @@ def test_worker_calls_group_a_row_with_the_control_first() -> None:
             mine = [t for t in tasks if t.row.name == row]
             assert [t.control for t in mine] == [True] + [False] * (len(mine) - 1)
             assert [n for t in mine for n in t.names] == names
+
+
+@pytest.mark.heavy
+def test_a_broken_control_backend_invalidates_a_real_score(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No stand-ins: the control's backend is made a broken offloader, which fails the seed
+    row's equivalence for real; the noop entry is caught there, and the score is invalid."""
+    monkeypatch.setattr(mutation_score, "control_backend", lambda device, delays: CORRUPT.name)
+    result = mutation_score.score([NOOP], CPU, "tiny", "auto", 1, threads=torch.get_num_threads())
+    (outcome,) = result.outcomes
+    assert outcome.caught and outcome.case == SEED_CASE.name, outcome
+    assert result.invalid[0] == "invalid: the control fails 1 rows"
+    assert result.invalid[1].startswith(f"  {SEED_CASE.name}: [equivalence] ")
+    assert "reloads differ from what was saved" in result.invalid[1]
