@@ -68,6 +68,12 @@ class BrokenBackend:
     baseline, a crash) is never counted as catching this bug class."""
     needs: str = ""
     """When the default matrix cannot show it: the row or run feature it needs."""
+    learnable: str = ""
+    """Why no row can catch it with its declaration hidden (``mutation-score --undeclared``):
+    its fault is a consistent rule of its own, which learning takes for a design choice
+    (``harness.execute.learn``). The score then judges its catchers only (where it must pass,
+    so the claim is shown, not assumed) instead of sweeping the whole matrix for a catch that
+    cannot come."""
 
     @property
     def offloader(self) -> BrokenOffloader:
@@ -174,6 +180,12 @@ HOST_SYNC = r"the offloader synchronised the host with the device"
 LEFT = r"saved tensors never unpacked|pool buffers not returned"
 WARMUP_FLAGS = r"^warmup flags per iteration \[True, False"
 EARLY_RELOAD = r"group\(s\) reloaded ahead of their backward.*; first too early: "
+
+# Why a bug is a consistent rule of its own with the declarations hidden (``learnable``).
+EARLY_ALWAYS = (
+    "it reloads equally early in every step, which is learned as its own prefetch depth "
+    "(caught only against a declared rule)"
+)
 
 CATALOGUE: tuple[BrokenBackend, ...] = (
     BrokenBackend(
@@ -285,11 +297,13 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         factory=EagerReload,
         catchers=(("cadence", SEED), ("cadence", ATTENTION_1F1B_3MB)),
         reasons=(("cadence", EARLY_RELOAD),),
+        learnable=EARLY_ALWAYS,
     ),
     BrokenBackend(
         factory=TwoAhead,
         catchers=(("cadence", SEED), ("cadence", ATTENTION_1F1B_3MB)),
         reasons=(("cadence", EARLY_RELOAD),),
+        learnable=EARLY_ALWAYS,
     ),
 )
 """Every broken offloader (``harness.offload.broken.OFFLOADERS``, in its order) with its

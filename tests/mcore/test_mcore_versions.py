@@ -148,7 +148,7 @@ def test_a_missing_required_feature_is_one_line(
     monkeypatch: pytest.MonkeyPatch, fresh_findings: None
 ) -> None:
     def gone() -> str:
-        raise LookupError("FineGrainedActivationOffloadingInterface has no reset")
+        raise features.Absent("FineGrainedActivationOffloadingInterface has no reset")
 
     feature = dataclasses.replace(features.FEATURES["offload_interface"], probe=gone)
     monkeypatch.setitem(features.FEATURES, "offload_interface", feature)
@@ -325,11 +325,11 @@ def test_manager_state_is_looked_for_as_assignments(monkeypatch: pytest.MonkeyPa
     source = "".join(f"        self.{name} = None\n" for name in features.MANAGER_STATE[1:])
     monkeypatch.setattr(features, "_module", lambda name: types.ModuleType(name))
     monkeypatch.setattr(features.inspect, "getsource", lambda module: source)
-    with pytest.raises(LookupError, match=r"no assignment of cpu_tensor_pool in "):
+    with pytest.raises(features.Absent, match=r"no assignment of cpu_tensor_pool in "):
         features._manager_state()
     compared = source + "        if self.cpu_tensor_pool == other:\n"
     monkeypatch.setattr(features.inspect, "getsource", lambda module: compared)
-    with pytest.raises(LookupError, match="cpu_tensor_pool"):  # a comparison is no assignment
+    with pytest.raises(features.Absent, match="cpu_tensor_pool"):  # a comparison is no assignment
         features._manager_state()
     assigned = source + "        self.cpu_tensor_pool: Pool = Pool()\n"
     monkeypatch.setattr(features.inspect, "getsource", lambda module: assigned)

@@ -12,6 +12,14 @@ The backend's rules are read from the installed code too (``installed_rules``): 
 non-contiguous view is copied, the skip rule, the pinned pool or arena, and the offload module
 names megatron-core accepts (parsed from ``TransformerConfig.__post_init__``, not run).
 
+A probe says a feature is missing only on purpose: it raises ``Absent`` (its helpers do when a
+module, attribute, field or parameter they look up is not there). A module that exists but
+does not import here (a dependency missing: TransformerEngine, triton) leaves the feature
+``Unprobed``: neither found nor missing, and its line says which import failed. Anything else a
+probe raises is a bug in the probe (or in how it reads this megatron-core), never a missing
+feature: it propagates as a ``ProbeError`` naming the probe, so it fails a run instead of
+refusing a row.
+
 ``python -m harness.models.mcore.features`` prints what it found, one line per feature.
 """
 
@@ -59,8 +67,8 @@ class Feature:
     needed_by: str
     """What in the harness uses it."""
     probe: Callable[[], str]
-    """Returns what it found (one short phrase); raises ``LookupError`` or ``ImportError``
-    when the feature is not there."""
+    """Returns what it found (one short phrase); raises ``Absent`` when the feature is not
+    there, ``Unprobed`` when a module it reads does not import here."""
     required: bool = False
     """The bridge or the backend cannot run at all without it."""
 
@@ -72,28 +80,63 @@ class Finding:
     feature: Feature
     present: bool
     detail: str
+    probed: bool = True
+    """False when a module the probe reads does not import here (``Unprobed``): not present,
+    and not known to be missing either."""
+
+
+class Absent(Exception):
+    """Raised by a probe, on purpose, when what it looks for is not in the installed
+    megatron-core: the feature is missing."""
+
+
+class Unprobed(Exception):
+    """A module a probe reads is installed but does not import here (a dependency of it is
+    missing): the feature can be neither found nor called missing."""
+
+
+class ProbeError(RuntimeError):
+    """A probe raised what no probe raises on purpose: a bug in the probe, or in how it reads
+    this megatron-core - never a missing feature."""
 
 
 def _module(name: str) -> Any:
-    return importlib.import_module(name)
+    """Module ``name``: ``Absent`` where it (or a package above it) does not exist,
+    ``Unprobed`` where it exists but its import fails for want of another module."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and f"{name}.".startswith(f"{exc.name}."):
+            raise Absent(f"no module {name}") from exc
+        raise Unprobed(f"import {name} failed: {exc}") from exc
+    except ImportError as exc:
+        raise Unprobed(f"import {name} failed: {exc}") from exc
+
+
+def _attr(owner: Any, name: str) -> Any:
+    """``owner.name``, ``Absent`` where it has none."""
+    _has(owner, name)
+    return getattr(owner, name)
 
 
 def _has(owner: Any, *names: str) -> None:
     missing = [n for n in names if not hasattr(owner, n)]
     if missing:
-        raise LookupError(f"{getattr(owner, '__name__', owner)} has no {', '.join(missing)}")
+        raise Absent(f"{getattr(owner, '__name__', owner)} has no {', '.join(missing)}")
 
 
 def _fields(cls: Any, *names: str) -> None:
+    if not dataclasses.is_dataclass(cls):
+        raise Absent(f"{cls.__name__} is no dataclass (its fields are not declared)")
     fields = {f.name for f in dataclasses.fields(cls)}
     missing = [n for n in names if n not in fields]
     if missing:
-        raise LookupError(f"{cls.__name__} has no field {', '.join(missing)}")
+        raise Absent(f"{cls.__name__} has no field {', '.join(missing)}")
 
 
 def _takes(function: Any, parameter: str) -> None:
     if parameter not in inspect.signature(function).parameters:
-        raise LookupError(f"{function.__qualname__} takes no {parameter!r}")
+        raise Absent(f"{function.__qualname__} takes no {parameter!r}")
 
 
 OFFLOAD_FIELDS = (
@@ -108,7 +151,7 @@ OFFLOAD_FIELDS = (
 
 
 def _offload_fields() -> str:
-    _fields(_module(CONFIG).TransformerConfig, *OFFLOAD_FIELDS)
+    _fields(_attr(_module(CONFIG), "TransformerConfig"), *OFFLOAD_FIELDS)
     return "TransformerConfig has the six offloading fields"
 
 
@@ -116,7 +159,7 @@ def _interface() -> str:
     offload = _module(OFFLOAD)
     _has(offload, "fine_grained_offloading_group_start", "fine_grained_offloading_group_offload")
     _has(offload, "PipelineOffloadManager", "FineGrainedActivationOffloadingInterface")
-    _has(offload.PipelineOffloadManager, "get_instance")
+    _has(offload.PipelineOffloadManager, "get_instance")  # both checked just above
     interface = offload.FineGrainedActivationOffloadingInterface
     _has(interface, "init_chunk_handler", "reset", "reset_instance", "mark_not_offload")
     _has(interface, "enable_offload", "disable_offload", "get_context")
@@ -125,7 +168,7 @@ def _interface() -> str:
 
 
 def _copy_paths() -> str:
-    handler = _module(OFFLOAD).ChunkOffloadHandler
+    handler = _attr(_module(OFFLOAD), "ChunkOffloadHandler")
     _has(handler, "bulk_offload_group", "bulk_reload_group", "tensor_push", "tensor_pop")
     return "ChunkOffloadHandler's bulk offload/reload, push and pop"
 
@@ -152,31 +195,40 @@ def _manager_state() -> str:
     source = inspect.getsource(_module(OFFLOAD))
     missing = [n for n in MANAGER_STATE if not re.search(rf"\.{n}\b[^\n=]*=(?!=)", source)]
     if missing:
-        raise LookupError(f"no assignment of {', '.join(missing)} in {OFFLOAD}")
+        raise Absent(f"no assignment of {', '.join(missing)} in {OFFLOAD}")
     return f"the {len(MANAGER_STATE)} manager, chunk and group attributes the log reads"
 
 
 def _hybrid_model() -> str:
     for name in ("megatron.core.models.hybrid.hybrid_model", "megatron.core.models.gpt.gpt_model"):
-        if importlib.util.find_spec(name) is None:
-            raise LookupError(f"no module {name}")
+        _module_exists(name)
     return "HybridModel and GPTModel modules"
 
 
+def _module_exists(name: str) -> None:
+    """``Absent`` where module ``name`` does not exist (its package is imported to look,
+    not the module itself: ``Unprobed`` where the package does not import here)."""
+    package, _, _ = name.rpartition(".")
+    if package:
+        _module(package)
+    if importlib.util.find_spec(name) is None:
+        raise Absent(f"no module {name}")
+
+
 def _reset_group() -> str:
-    _takes(_module(OFFLOAD).FineGrainedActivationOffloadingInterface.reset, "process_group")
+    interface = _attr(_module(OFFLOAD), "FineGrainedActivationOffloadingInterface")
+    _takes(_attr(interface, "reset"), "process_group")
     return "reset(process_group=...): the post-warmup summary runs on the schedule's group"
 
 
 def _coverage() -> str:
-    coverage = getattr(_module(OFFLOAD).ChunkOffloadHandler, "BASE_OFFLOAD_MIN_COVERAGE", None)
-    if coverage is None:
-        raise LookupError("ChunkOffloadHandler has no BASE_OFFLOAD_MIN_COVERAGE")
+    handler = _attr(_module(OFFLOAD), "ChunkOffloadHandler")
+    coverage = _attr(handler, "BASE_OFFLOAD_MIN_COVERAGE")
     return f"views covering >= {coverage:g} of their storage copied whole"
 
 
 def _mfsdp_v1() -> str:
-    _fields(_module(DDP_CONFIG).DistributedDataParallelConfig, "use_megatron_fsdp")
+    _fields(_attr(_module(DDP_CONFIG), "DistributedDataParallelConfig"), "use_megatron_fsdp")
     _has(_module("megatron.core.distributed.fsdp"), "FullyShardedDataParallel")
     return "DistributedDataParallelConfig.use_megatron_fsdp"
 
@@ -187,13 +239,14 @@ def _mfsdp2_blocks() -> str:
 
 
 def _mfsdp_v2() -> str:
-    _fields(_module(DDP_CONFIG).DistributedDataParallelConfig, "megatron_fsdp_version")
+    _fields(_attr(_module(DDP_CONFIG), "DistributedDataParallelConfig"), "megatron_fsdp_version")
     _has(_module(FSDP_ADAPTER), "FullyShardedDataParallelV2")
     return "megatron_fsdp_version=2 builds FullyShardedDataParallelV2"
 
 
 def _pinned_buffer() -> str:
-    _fields(_module(CONFIG).TransformerConfig, "fine_grained_offloading_buffer_size_gib")
+    config = _attr(_module(CONFIG), "TransformerConfig")
+    _fields(config, "fine_grained_offloading_buffer_size_gib")
     _has(_module(OFFLOAD), "PinnedActivationBuffer")
     return "PinnedActivationBuffer, fine_grained_offloading_buffer_size_gib"
 
@@ -305,11 +358,24 @@ FEATURES: dict[str, Feature] = {feature.name: feature for feature in _FEATURES}
 
 
 def _probe(feature: Feature) -> Finding:
+    """Run ``feature``'s probe: present, ``Absent``, ``Unprobed``; anything else it raises is a
+    ``ProbeError`` naming the probe."""
     try:
         return Finding(feature=feature, present=True, detail=feature.probe())
-    except (LookupError, ImportError, AttributeError, TypeError, ValueError, SyntaxError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return Finding(feature=feature, present=False, detail=first)
+    except Absent as exc:
+        return Finding(feature=feature, present=False, detail=_first_line(exc))
+    except Unprobed as exc:
+        return Finding(feature=feature, present=False, detail=_first_line(exc), probed=False)
+    except Exception as exc:
+        raise ProbeError(
+            f"megatron-core feature probe {feature.name} ({feature.probe.__qualname__}) raised "
+            f"{type(exc).__name__}: {_first_line(exc)} - a bug in the probe or in how it reads "
+            "this megatron-core, not a missing feature"
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def installed() -> bool:
@@ -332,8 +398,15 @@ def has(name: str) -> bool:
 
 
 def missing_line(name: str) -> str:
-    """The one line of a missing feature: what, which version has it, what needs it."""
+    """The one line of a missing feature: what, which version has it, what needs it (for one
+    not probed here: which import failed)."""
     feature, identity = FEATURES[name], source()
+    found = findings()[name]
+    if not found.probed:
+        return (
+            f"megatron-core {identity['version']}: feature {name} ({feature.what}, needed by "
+            f"{feature.needed_by}) could not be probed: {found.detail}"
+        )
     return (
         f"megatron-core {identity['version']} lacks {feature.what} (feature {name}, needed by "
         f"{feature.needed_by}); {feature.since} has it"
@@ -362,15 +435,15 @@ def refusal(needs: tuple[str, ...]) -> str | None:
 def offered_modules() -> tuple[str, ...]:
     """The ``offload_modules`` names the installed ``TransformerConfig`` accepts: the string set
     assigned to ``allowed_modules`` in its ``__post_init__``, read from the source (not run)."""
-    config = _module(CONFIG).TransformerConfig
-    tree = ast.parse(textwrap.dedent(inspect.getsource(config.__post_init__)))
+    config = _attr(_module(CONFIG), "TransformerConfig")
+    tree = ast.parse(textwrap.dedent(inspect.getsource(_attr(config, "__post_init__"))))
     for node in ast.walk(tree):
         if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Set):
             continue
         if any(isinstance(t, ast.Name) and t.id == "allowed_modules" for t in node.targets):
             names = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
             return tuple(sorted(str(name) for name in names))
-    raise LookupError("TransformerConfig.__post_init__ assigns no allowed_modules set")
+    raise Absent("TransformerConfig.__post_init__ assigns no allowed_modules set")
 
 
 def names_line(offered: tuple[str, ...], version: str) -> str | None:
@@ -442,8 +515,9 @@ def report_lines() -> list[str]:
     where = source()
     lines = [f"megatron-core {where['version']} commit {where['commit'] or '-'} at {where['path']}"]
     for name, found in findings().items():
-        mark = "yes" if found.present else "NO "
-        lines.append(f"  {mark} {name}: {found.detail}")
+        mark = "yes" if found.present else "NO " if found.probed else "-- "
+        detail = found.detail if found.probed else f"not probed here: {found.detail}"
+        lines.append(f"  {mark} {name}: {detail}")
     rules = installed_rules()
     lines.append(f"  rules: view copy {rules.view_copy}, skip {rules.skip}, pool: {rules.pool}")
     if rules.modules:
