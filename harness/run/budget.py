@@ -229,13 +229,13 @@ class Plan:
 
     def describe(self) -> str:
         """What the run's first line adds: ``memory budget 62.7 GiB (free 78.7 GiB of
-        79.2 GiB, 12 x 1.0 GiB worker contexts, case peaks 4.3-10.2 GiB, 0 of 221 recorded)``."""
-        low, high = min(self.costs), max(self.costs)
+        79.2 GiB, 12 x 1.0 GiB worker contexts, case peaks 4.1-10.0 GiB, 0 of 221 recorded)``."""
+        low, high = _gib(min(self.costs), unit=False), _gib(max(self.costs))
+        peaks = f"case peak {high}" if high.startswith(low + " ") else f"case peaks {low}-{high}"
         return (
             f"memory budget {_gib(self.limit)} (free {_gib(self.card.free)} of "
             f"{_gib(self.card.total)}, {self.workers} x {_gib(CONTEXT_BYTES)} worker contexts, "
-            f"case peaks {_gib(low, unit=False)}-{_gib(high)}, {self.recorded} of "
-            f"{len(self.costs)} recorded)"
+            f"{peaks}, {self.recorded} of {len(self.costs)} recorded)"
         )
 
     def record(self) -> dict[str, object]:

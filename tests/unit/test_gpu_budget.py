@@ -178,6 +178,15 @@ def test_the_first_line_says_the_decision(
     )
 
 
+def test_one_case_says_its_one_peak(synthetic: list[Case]) -> None:
+    plan = _plan(synthetic[:1], H100)
+    # one worker: usable 74.72 GiB less one context
+    assert plan.describe() == (
+        "memory budget 73.7 GiB (free 78.7 GiB of 79.2 GiB, 1 x 1.0 GiB worker contexts, "
+        "case peak 9.6 GiB, 0 of 1 recorded)"
+    )
+
+
 def test_an_explicit_jobs_wins_and_warns_when_it_cannot_fit(synthetic: list[Case]) -> None:
     plan = _plan(synthetic, H100, jobs=16)
     assert plan.workers == 16  # as asked (there are 24 cases)
