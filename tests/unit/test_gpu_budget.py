@@ -383,14 +383,16 @@ def test_replay_every_worker_of_the_h100_run_fits_its_budget() -> None:
     measured = [(c, e) for c, e in readings if e["memory_baseline_peak"] is not None]
     assert len(measured) >= 80  # the fixture holds the run's readings
     for index, (case, entry) in enumerate(readings):
-        if entry["memory_baseline_peak"] is not None:
-            estimate = plan.estimates[index]  # an upper bound before its margin already
-            assert estimate is not None
-            assert _held(entry, case) <= estimate + budget.CONTEXT_BYTES, case.name
-    # the largest worker any out-of-memory report listed fits the largest budgeted worker
-    seen = max(max(workers) for workers in data["workers_at_oom"])
-    assert seen == int(9.93 * GiB)
-    assert seen <= max(plan.costs) + budget.CONTEXT_BYTES
+        estimate = plan.estimates[index]
+        assert estimate is not None, case.name
+        if entry["peak_reserved"] is not None:  # a worker's reading: within its budget
+            assert entry["peak_reserved"] <= plan.costs[index], case.name
+        elif entry["memory_baseline_peak"] is not None:  # allocated, for certain: within the
+            assert _held(entry, case) <= estimate + budget.CONTEXT_BYTES, case.name  # estimate
+    # the largest worker any out-of-memory report listed (9.93 GiB in the 2026-12-06 run; a
+    # refreshed fixture of a run without one lists none) fits the largest budgeted worker
+    for workers in data["workers_at_oom"]:
+        assert max(workers) <= max(plan.costs) + budget.CONTEXT_BYTES
 
 
 def test_replay_the_budget_keeps_the_h100_run_under_the_card() -> None:
@@ -415,6 +417,8 @@ def test_replay_the_budget_keeps_the_h100_run_under_the_card() -> None:
             heapq.heappush(ends, (clock + seconds[i], i))
         running = [i for _, i in ends]
         assert sum(costs[i] for i in running) <= plan.limit or len(running) == 1
+        # what the budget reserves for them and every worker's context: within the card
+        assert sum(costs[i] for i in running) + plan.workers * budget.CONTEXT_BYTES <= total
         idle = plan.workers - len(running)
         assert sum(held[i] for i in running) + idle * CONTEXT_SEEN <= total
         most = max(most, len(running))
