@@ -54,8 +54,9 @@ from harness.reporting.report import (
     write_junit,
     write_summary,
 )
-from harness.run import settings
+from harness.run import budget, settings
 from harness.run.parallel import threads_per_worker
+from harness.run.peaks import PeakStore
 from harness.run.session import run_cases
 from harness.tools import TOOLS
 from harness.util.bytecode import missing_bytecode
@@ -336,9 +337,15 @@ class _Progress:
     finished case (and the rule it was held to, once), a valid summary after every case."""
 
     def __init__(
-        self, cases: list[Case], env: Environment, report: _ReportWriter, fields: dict[str, Any]
+        self,
+        cases: list[Case],
+        env: Environment,
+        report: _ReportWriter,
+        fields: dict[str, Any],
+        memory: budget.Plan | None = None,
     ) -> None:
         self.cases, self.env, self.report, self.fields = cases, env, report, fields
+        self.memory = memory
         self.records: list[dict[str, Any] | None] = [None] * len(cases)
         self.start = time.perf_counter()
 
@@ -367,9 +374,10 @@ class _Progress:
 
     def on_start(self, workers: int) -> None:
         threads = threads_per_worker(workers)
+        shared = f", {self.memory.describe()}" if self.memory is not None else ""
         print(
             f"running {len(self.cases)} case(s) on {self.env.device} ({self.env.model_size} "
-            f"models): {workers} worker(s) x {threads} thread(s)",
+            f"models): {workers} worker(s) x {threads} thread(s){shared}",
             flush=True,
         )
 
@@ -389,6 +397,7 @@ def _run_stoppably(
                 on_record=progress.on_record,
                 update_golden=args.update_golden,
                 on_start=progress.on_start,
+                memory=progress.memory,
             )
     except KeyboardInterrupt:
         return "interrupted", 128 + signal.SIGINT
@@ -429,6 +438,19 @@ def _print_outcome(summary: dict[str, Any], total: int, where: str) -> int:
     return failed
 
 
+def _memory_plan(
+    cases: list[Case], env: Environment, jobs: int | None
+) -> tuple[budget.Plan | None, PeakStore | None]:
+    """On CUDA, how the run shares the card (``harness.run.budget``), its warning printed,
+    and where its peaks are kept; (None, None) on the CPU."""
+    if env.device.type != "cuda":
+        return None, None
+    plan, store = budget.cuda_plan(cases, env, jobs)
+    if plan.warning is not None:
+        print(plan.warning, file=sys.stderr, flush=True)
+    return plan, store
+
+
 def command_run(args: argparse.Namespace) -> int:
     """Check the selection, claim the report folder, run the cases with progress lines,
     write the report and print the outcome; the exit code."""
@@ -438,16 +460,24 @@ def command_run(args: argparse.Namespace) -> int:
         lambda: settings.resolve_jobs(args.settings.jobs, env.device, len(cases)), UsageError
     )
     plots = settings.checked(settings.resolve_plots, UsageError)
+    plan, store = _memory_plan(cases, env, args.settings.jobs)
+    if plan is not None:
+        jobs = plan.workers
     folder = _claim_folder(args.settings.report_dir)
     fields = _summary_fields(args, env, cases)
+    if plan is not None:
+        fields["device_memory"] = plan.record()
     report = _ReportWriter(folder)
-    progress = _Progress(cases, env, report, fields)
+    progress = _Progress(cases, env, report, fields, plan)
     if folder is not None and plots:
         preload_plotting()
     note = missing_bytecode(sys.modules["torch"])
     if note:
         print(f"note: {note}")
     status, stopped = _run_stoppably(args, env, jobs, progress)
+    if store is not None:  # the next run on this card budgets with what this one measured
+        store.update(env.model_size, progress.finished())
+        store.save()
     fields.update(status=status, seconds=round(time.perf_counter() - progress.start, 2))
     summary = json.loads(summary_text(progress.finished(), **fields))
     where = _write_report(report, summary, fields, progress.finished(), stopped=bool(stopped))

@@ -13,6 +13,17 @@
   again in a new pool (once; a case whose worker dies twice without a dump is an ``error:
   worker process died``, with the worker's exit status or signal and the last position it
   reported).
+* On CUDA the workers share the card's memory (``harness.run.budget``): a case starts only when
+  its budgeted peak and those of the cases running fit the run's memory budget (``memory``);
+  each worker gives back what a case left cached and records the case's peak
+  (``harness.run.workermemory``). A case whose runs still ran out of memory
+  (``workermemory.out_of_memory``) is not judged by that: it runs again alone, in a pool of
+  one worker once every other case has ended, and that run's record is its verdict (with a
+  note). Out of memory alone as well, it is an ``error: out of memory ... with no other case
+  running`` record: the machine's limit, no check of the offloader failed (``checks`` is
+  empty), and, like every error record, it fails the run - a skip would pass a run that
+  verified nothing of the case, and an offloader that keeps device memory it should free
+  runs out alone too.
 * Ctrl-C, SIGTERM and SIGHUP kill the workers at once (they ignore all three; the parent stops
   them), cancel the queued cases and leave what finished.
 
@@ -34,15 +45,17 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness.cases import Case
-from harness.execute.baselines import sharing_groups
+from harness.execute.baselines import forget_plain_baselines, sharing_groups
 from harness.execute.environment import Environment
+from harness.run import workermemory
+from harness.run.budget import MemoryGate, Plan
 from harness.run.parallel import kill_pool, worker_pool
 from harness.util import leftovers, progress
 from harness.verify.judge import judge
@@ -69,8 +82,11 @@ def run_case(
 ) -> tuple[dict[str, Any], float]:
     """One case in a worker: the judge's record (or an error record with the traceback under
     ``"traceback"``) and its seconds. With a timeout, ``dump`` receives every thread's stack
-    if the case outlives it, and the worker exits."""
+    if the case outlives it, and the worker exits. On CUDA the record has the case's peak
+    (``device_memory``) and the worker gives back what the case left cached; a case whose
+    runs ran out of memory has that problem's line under ``"out_of_memory"``."""
     began = time.perf_counter()
+    memory = workermemory.CaseMemory.start(env.device)
     stream = None
     if timeout and dump is not None:
         stream = open(dump, "w", encoding="utf-8")
@@ -94,6 +110,12 @@ def run_case(
     note = leftovers.left_running(running)
     if note is not None:
         record.setdefault("notes", []).append(note)
+    if memory is not None:
+        record["device_memory"] = memory.record()
+        workermemory.release(env.device)
+    line = workermemory.out_of_memory(record.get("problems", ()))
+    if line is not None:
+        record["out_of_memory"] = line
     return record, time.perf_counter() - began
 
 
@@ -131,11 +153,16 @@ def run_bundle(
     cases: list[Case], env: Environment, update_golden: bool, timeout: float, dumps: list[str]
 ) -> list[tuple[dict[str, Any], float]]:
     """``run_case`` for each of ``cases`` (rows sharing one plain baseline, which the first one
-    trains and the others reuse), in order, in one worker."""
-    return [
+    trains and the others reuse), in order, in one worker. On CUDA the shared baseline is
+    dropped after the last (an idle worker holds its context only: the memory budget)."""
+    results = [
         run_case(case, env, update_golden, timeout, dump)
         for case, dump in zip(cases, dumps, strict=True)
     ]
+    if env.device.type == "cuda":
+        forget_plain_baselines()
+        workermemory.release(env.device)
+    return results
 
 
 def _bundles(cases: list[Case], env: Environment, indices: list[int]) -> list[list[int]]:
@@ -160,10 +187,13 @@ def run_cases(
     on_record: Callable[[int, dict[str, Any], float], None],
     update_golden: bool = False,
     on_start: Callable[[int], None] | None = None,
+    memory: Plan | None = None,
 ) -> str:
-    """Run every case (see the module docstring); ``on_start(workers)`` once the first pool's
-    cases are queued, ``on_record(index, record, seconds)`` as each ends. Returns ``complete``
-    or ``timed-out``; Ctrl-C propagates after the workers are gone."""
+    """Run every case (see the module docstring), ``jobs`` at a time and, with ``memory`` (a
+    CUDA run's ``harness.run.budget.Plan``), only as many as its budget holds;
+    ``on_start(workers)`` once the first pool is made, ``on_record(index, record, seconds)``
+    as each ends. Returns ``complete`` or ``timed-out``; Ctrl-C propagates after the workers
+    are gone."""
     run = _Run(
         cases=cases,
         env=env,
@@ -171,17 +201,18 @@ def run_cases(
         folder=folder,
         on_record=on_record,
         update_golden=update_golden,
+        memory=memory,
     )
     try:
         while run.pending:
-            bundles = _bundles(cases, env, run.pending)
-            workers = min(jobs, len(bundles))
+            alone = run.waiting_alone()
+            bundles = [[i] for i in alone] if alone else _bundles(cases, env, run.others())
+            workers = 1 if alone else min(jobs, len(bundles))
             pool = worker_pool(workers, env.device)
-            futures = run.submit(pool, bundles)
             if on_start is not None:
                 on_start(workers)
                 on_start = None
-            exitcodes = run.collect(pool, futures)
+            exitcodes = run.dispatch(pool, bundles, workers)
             kill_pool(pool)  # every call reported; what a backend left running ends here
             if exitcodes is not None:
                 run.settle_dead_pool(exitcodes)
@@ -211,53 +242,115 @@ class _Run:
     timed_out: list[Path] = field(default_factory=list)
     began: dict[int, float] = field(default_factory=dict)
     status: str = "complete"
+    memory: Plan | None = None
+    short: dict[int, str] = field(default_factory=dict)
+    """Cases that ran out of memory beside others, waiting to run alone: the line it said."""
 
     def __post_init__(self) -> None:
         self.dumps = {i: self.scratch / f"{slug(c.name)}.txt" for i, c in enumerate(self.cases)}
         self.pending = list(range(len(self.cases)))
 
-    def submit(self, pool: Any, bundles: list[list[int]]) -> dict[Future[Any], list[int]]:
-        """Queue each bundle as one ``run_bundle`` call; its cases' clocks start now (on their
-        first pool only: a case run again keeps its first start)."""
-        futures: dict[Future[Any], list[int]] = {}
-        for bundle in bundles:
-            for index in bundle:
-                self.began.setdefault(index, time.perf_counter())
-            call = (
-                [self.cases[i] for i in bundle],
-                self.env,
-                self.update_golden,
-                self.timeout,
-                [str(self.dumps[i]) for i in bundle],
-            )
-            futures[pool.submit(run_bundle, *call)] = bundle
-        return futures
+    def others(self) -> list[int]:
+        """The pending cases not waiting to run alone."""
+        return [i for i in self.pending if i not in self.short]
 
-    def collect(
-        self, pool: Any, futures: dict[Future[Any], list[int]]
+    def waiting_alone(self) -> list[int]:
+        """The cases to run alone now: those that ran out of memory beside others, once no
+        other case is pending."""
+        return [] if self.others() else [i for i in self.pending if i in self.short]
+
+    def submit(self, pool: Any, bundle: list[int]) -> Future[Any]:
+        """Start ``bundle`` as one ``run_bundle`` call; its cases' clocks start now (on their
+        first pool only: a case run again keeps its first start)."""
+        for index in bundle:
+            self.began.setdefault(index, time.perf_counter())
+        call = (
+            [self.cases[i] for i in bundle],
+            self.env,
+            self.update_golden,
+            self.timeout,
+            [str(self.dumps[i]) for i in bundle],
+        )
+        return pool.submit(run_bundle, *call)
+
+    def dispatch(
+        self, pool: Any, bundles: list[list[int]], workers: int
     ) -> dict[int, int | None] | None:
-        """Finish each bundle's cases as its call returns; None when every call reported, the
-        exit codes of the pool's workers when the pool broke (a worker died). Any other
-        exception (Ctrl-C) kills the pool and propagates."""
+        """Run ``bundles`` on ``pool``'s ``workers``: each started when a worker is free and,
+        with a memory plan, when its peak fits the budget beside the running ones
+        (``MemoryGate``); each case finished as its call returns. None when every call
+        reported, the exit codes of the pool's workers when the pool broke (a worker died).
+        Any other exception (Ctrl-C) kills the pool and propagates."""
+        plan = self.memory
+        gate = MemoryGate(plan.limit if plan is not None else 0)
+
+        def cost(bundle: list[int]) -> int:
+            return plan.bundle_cost(bundle) if plan is not None else 0
+
+        queue = list(bundles)
+        running: dict[Future[Any], list[int]] = {}
         try:
-            for future in as_completed(futures):
-                bundle = futures[future]
-                try:
-                    results = future.result()
-                except BrokenProcessPool:
-                    return _exitcodes(pool)
-                except Exception as exc:  # e.g. a result that cannot be pickled back
-                    problem = f"error: {type(exc).__name__}: {exc}"
-                    results = [
-                        (error_record(self.cases[i], problem), time.perf_counter() - self.began[i])
-                        for i in bundle
-                    ]
-                for index, (record, seconds) in zip(bundle, results, strict=True):
-                    self.finish(index, record, seconds)
+            while queue or running:
+                for bundle in gate.pick(queue, cost, workers - len(running)):
+                    running[self.submit(pool, bundle)] = bundle
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    bundle = running.pop(future)
+                    gate.give(cost(bundle))
+                    try:
+                        results = future.result()
+                    except BrokenProcessPool:
+                        return _exitcodes(pool)
+                    except Exception as exc:  # e.g. a result that cannot be pickled back
+                        results = self._unreturned(bundle, exc)
+                    for index, (record, seconds) in zip(bundle, results, strict=True):
+                        self.settle(index, record, seconds, alone=workers == 1)
         except BaseException:
             kill_pool(pool)
             raise
         return None
+
+    def _unreturned(self, bundle: list[int], exc: Exception) -> list[tuple[dict[str, Any], float]]:
+        problem = f"error: {type(exc).__name__}: {exc}"
+        now = time.perf_counter()
+        return [(error_record(self.cases[i], problem), now - self.began[i]) for i in bundle]
+
+    def settle(self, index: int, record: dict[str, Any], seconds: float, *, alone: bool) -> None:
+        """A case's call returned: its record is final, unless its runs ran out of memory
+        beside other cases for the first time (it then waits to run alone)."""
+        line = record.pop("out_of_memory", None)
+        earlier = self.short.pop(index, None)
+        if self.memory is not None and "device_memory" in record:  # what it was budgeted
+            record["device_memory"]["estimate"] = self.memory.estimates[index]
+            record["device_memory"]["budgeted"] = self.memory.costs[index]
+        if line is not None and earlier is None and not alone:
+            self.short[index] = line
+            return
+        if line is not None:
+            record = self._out_of_memory(index, line, record)
+        elif earlier is not None:
+            record.setdefault("notes", []).append(
+                f"ran out of memory while other cases ran ({earlier}); run again alone, "
+                "this is that run's verdict"
+            )
+        self.finish(index, record, seconds)
+
+    def _out_of_memory(self, index: int, line: str, record: dict[str, Any]) -> dict[str, Any]:
+        """The error record of a case out of memory with no other case running."""
+        plan, case = self.memory, self.cases[index]
+        budget = ""
+        if plan is not None:
+            free = plan.card.free / (1 << 30)
+            budget = f"; budgeted {plan.costs[index] / (1 << 30):.1f} GiB, {free:.1f} GiB free"
+        problem = (
+            f"error: out of memory on {self.env.device} with no other case running, so the "
+            f"case was not judged (the machine's limit, not a check of the offloader; a "
+            f"backend that keeps device memory does this too){budget}: {line}"
+        )
+        out = error_record(case, problem)
+        if "device_memory" in record:
+            out["device_memory"] = record["device_memory"]
+        return out
 
     def finish(self, index: int, record: dict[str, Any], seconds: float) -> None:
         """A case's record is final: its traceback goes to ``errors/`` (named in its problem)
@@ -282,7 +375,7 @@ class _Run:
         for index in list(self.pending):
             path = self.dumps[index]
             text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
-            seconds = time.perf_counter() - self.began[index]
+            seconds = time.perf_counter() - self.began.get(index, time.perf_counter())
             if _DUMP_MARK in text:
                 self.status = "timed-out"
                 path = _keep_dump(path, self.folder)

@@ -37,7 +37,8 @@ class SettingError(ValueError):
 MATRIX_CHOICES: tuple[str, ...] = tuple(MATRICES)
 
 CUDA_JOBS_CAP = 12
-"""The most workers ``--jobs`` defaults to on CUDA (each holds a CUDA context on the one GPU)."""
+"""The most workers ``--jobs`` defaults to on CUDA (each holds a CUDA context on the one GPU);
+the card's memory may allow fewer (``harness.run.budget``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,9 +112,11 @@ _OPTIONS: tuple[Option, ...] = (
     Option(
         dest="jobs",
         metavar="N",
-        help="worker processes (default: one per usable core on cpu; on cuda three per four "
-        f"cores, at most {CUDA_JOBS_CAP}: the N workers share the GPU, each with its own "
-        "context; every worker gets cores // N intra-op threads)",
+        help="worker processes (default: one per usable core on cpu; on cuda as many as the "
+        f"GPU's free memory holds at the cases' peaks, at most three per four cores and "
+        f"{CUDA_JOBS_CAP}: the N workers share the GPU, each with its own context, and a case "
+        "starts only when its peak fits beside the running ones; every worker gets "
+        "cores // N intra-op threads)",
     ),
     Option(
         dest="cuda_sanitizer",
@@ -262,12 +265,14 @@ def usable_cores() -> int:
 
 
 def default_jobs(device: torch.device) -> int:
-    """Worker processes when none are asked for: one per core on CPU; on CUDA three per four
-    cores, up to ``CUDA_JOBS_CAP``. The cases are host-bound there (a small model's step is
-    mostly Python launching kernels), but the workers share one GPU: on the 16-core H200 box
-    12 workers beat 8 and 16 on the full matrix (189 s, against 200 s with 16), the default
-    case files (39 s, against 41 and 43 s) and ``run`` (28 s, against 30 s).
-    ``offload-harness run`` and pytest's ``-n auto`` both use it."""
+    """Worker processes the cores allow when none are asked for: one per core on CPU; on CUDA
+    three per four cores, up to ``CUDA_JOBS_CAP``. The cases are host-bound there (a small
+    model's step is mostly Python launching kernels), but the workers share one GPU: on the
+    16-core H200 box 12 workers beat 8 and 16 on the full matrix (189 s, against 200 s with
+    16), the default case files (39 s, against 41 and 43 s) and ``run`` (28 s, against 30 s).
+    On CUDA it is a ceiling: ``offload-harness run`` and pytest's ``-n auto`` start fewer
+    where the card's memory holds fewer (``harness.run.budget``; 12 workers of 6-10 GiB
+    each ran an 80 GB H100 out of memory)."""
     cores = usable_cores()
     return max(1, min(CUDA_JOBS_CAP, cores * 3 // 4)) if device.type == "cuda" else cores
 

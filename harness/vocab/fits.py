@@ -1,6 +1,8 @@
 """Whether a run fits the machine's memory before it starts: the bytes a run allocates up front
-for its data (``run_bytes``), what this process can still allocate (``available_memory``), and
-the one-line refusal (``check_fits``) the command line and the plugin give before any training."""
+for its data (``run_bytes``), what this process can still allocate (``available_memory``), the
+one-line refusal (``check_fits``) the command line and the plugin give before any training, and
+the device bytes a case's trainings hold at their peak (``case_peak_bytes``), from which
+``harness.run.budget`` decides how many cases share a GPU at once."""
 
 from __future__ import annotations
 
@@ -13,6 +15,20 @@ TOKEN_BYTES = 8
 LOSS_BYTES = 4
 """Bytes per loss of the runner's per-(step, microbatch) loss tensor (fp32)."""
 
+STATE_BYTES: dict[str, int] = {"fp32": 16, "bf16": 20}
+"""Device bytes per parameter a training run of ``harness.models.train`` holds besides its
+activations: fp32, the weight, its gradient and Adam's two moments (4 + 4 + 8); bf16, the bf16
+weight and gradient (2 + 2), the fp32 main weight and the fp32 gradient the optimizer step
+makes of it (4 + 4) and the moments (8)."""
+GRAD_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2}
+"""Bytes per parameter of one step's gradients a run keeps for the comparison (``keep_grads``:
+the model's gradients, in the compute dtype)."""
+BACKWARD_TRANSIENT = 0.25
+"""A pass's backward briefly holds gradients of its activations beside them: a quarter of one
+pass's activations. On the H100 (2026-12-06) the memory check's peak of the last step stood
+0.06-0.26 GiB above what the last forward left allocated, 5-17 % of a microbatch's
+activations."""
+
 
 def run_bytes(model: ModelSpec, run: RunSpec) -> int:
     """Bytes one training run allocates up front for its data, whatever the model: the token
@@ -21,6 +37,30 @@ def run_bytes(model: ModelSpec, run: RunSpec) -> int:
     sequences = run.steps * run.microbatches * model.micro_batch_size
     tokens = sequences * (model.seq_length + 1) * TOKEN_BYTES
     return tokens + run.steps * run.microbatches * LOSS_BYTES
+
+
+def case_peak_bytes(
+    *,
+    parameters: int,
+    pass_activations: int,
+    passes_in_flight: int,
+    model: ModelSpec,
+    run: RunSpec,
+    kept_runs: int,
+) -> int:
+    """Device bytes a case's trainings hold at their peak, from ``parameters`` (the model's
+    count) and ``pass_activations`` (what autograd saves in one pass's forward, parameters
+    excluded): the running training's state (``STATE_BYTES``), the activations of the
+    ``passes_in_flight`` passes whose backward has not run yet plus one backward's transient
+    (``BACKWARD_TRANSIENT``), its data (``run_bytes``) and the per-step gradients of the
+    ``kept_runs`` runs whose gradients are kept at once (the shared plain baseline's, the
+    running one's, and a layout baseline's where one is made: ``harness.execute.steps``).
+    Pure arithmetic, Python ints."""
+    kept = kept_runs * run.steps * parameters * GRAD_BYTES[run.precision]
+    state = parameters * STATE_BYTES[run.precision]
+    activations = pass_activations * passes_in_flight
+    transient = int(pass_activations * BACKWARD_TRANSIENT)
+    return kept + state + activations + transient + run_bytes(model, run)
 
 
 def available_memory() -> int | None:

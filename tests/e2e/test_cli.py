@@ -402,19 +402,29 @@ def test_jobs_default_on_cuda_is_three_per_four_cores_up_to_12(
 
 @pytest.mark.parametrize("jobs", [None, "4"])
 def test_run_on_cuda_takes_jobs_without_initialising_cuda(
-    jobs: str | None, monkeypatch: pytest.MonkeyPatch
+    jobs: str | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """``run --device cuda --jobs 4`` is accepted: 4 workers on cuda:0 (without --jobs, three
-    per four of the 16 cores this test pretends to have, at most 12), and nothing up to the
-    spawn initialises CUDA in the parent."""
+    per four of the 16 cores this test pretends to have, at most 12, on a card that holds
+    them all), and nothing up to the spawn initialises CUDA in the parent (the card is read in
+    a worker: ``harness.run.budget.probe_card``, stubbed here)."""
     import harness.cli
+    from harness.run import budget
+    from harness.vocab.spec import preset
 
+    # the estimate's meta forward imports torch's decompositions (and dynamo's rule table, which
+    # refuses the one stub _fake_cuda puts in two places) once: before the stubs
+    budget.model_bytes(preset("hybrid-tiny"), "fp32")
     _fake_cuda(monkeypatch)
     monkeypatch.setattr("harness.run.settings.usable_cores", lambda: 16)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    card = budget.Card(free=400 << 30, total=400 << 30, name="card", fingerprint="cuda-x")
+    monkeypatch.setattr(budget, "probe_card", lambda device: card)
     seen: dict[str, Any] = {}
 
     def run_cases(cases: list[Any], env: Any, *, jobs: int, **kwargs: Any) -> None:
         seen.update(cases=len(cases), device=env.device, jobs=jobs, size=env.model_size)
+        assert kwargs["memory"].workers == jobs and kwargs["memory"].card is card
         raise _Stop
 
     monkeypatch.setattr(harness.cli, "run_cases", run_cases)
@@ -464,9 +474,11 @@ def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.Monk
             return future
 
     import harness.run.session
+    import harness.run.workermemory
 
     monkeypatch.setattr(harness.run.parallel, "ProcessPoolExecutor", Pool)
-    monkeypatch.setattr(harness.run.session, "as_completed", lambda futures: list(futures))
+    # the bundles run here, not in a CUDA worker: nothing cached to give back
+    monkeypatch.setattr(harness.run.workermemory, "release", lambda device: None)
     monkeypatch.setattr(
         harness.run.session,
         "run_case",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from harness.plugin import workers
-from harness.run import settings
+from harness.run import budget, settings
 from harness.util.bytecode import missing_bytecode
 
 pytest_plugins = ["pytester"]
@@ -74,7 +74,7 @@ def test_the_pytest_console_shows_the_note_even_under_q(
 
 
 @pytest.mark.parametrize(("device", "expected"), [("cuda", 12), ("cpu", None)])
-def test_n_auto_on_cuda_starts_runs_default_workers(
+def test_n_auto_on_cuda_starts_at_most_runs_default_workers(
     device: str, expected: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     class _Config:
@@ -86,6 +86,10 @@ def test_n_auto_on_cuda_starts_runs_default_workers(
     monkeypatch.setattr(
         settings, "resolve_device", lambda text: torch.device(text, 0 if text == "cuda" else None)
     )
+    # a card that holds 16 of the largest case: the CPU default (3 of 4 of 16 cores) decides
+    # (the memory's share: tests/unit/test_gpu_budget.py)
+    huge = budget.Card(free=400 << 30, total=400 << 30, name="card", fingerprint="x")
+    monkeypatch.setattr(budget, "probe_card", lambda device: huge)
     assert workers.pytest_xdist_auto_num_workers(_Config()) == expected  # type: ignore[arg-type]
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "3")  # xdist's own variable wins
     assert workers.pytest_xdist_auto_num_workers(_Config()) is None  # type: ignore[arg-type]
