@@ -42,9 +42,20 @@ Sample = tuple[str, GroupKey, int]
 
 def requested_bytes(device: torch.device) -> int:
     """The bytes the live allocations on ``device`` asked for (the caching allocator's
-    ``requested_bytes`` stat): unlike ``memory_allocated``, untouched by the block a request
-    gets (rounded up to 512 B, or a whole cached block left unsplit when less than 1 MiB of it
-    would remain), which differs between two runs by megabytes at a boundary."""
+    ``requested_bytes`` stat), once the work queued so far has run.
+
+    Requested bytes, not ``memory_allocated``: unaffected by the block a request gets (rounded
+    up to 512 B, or a whole cached block left unsplit when less than 1 MiB of it would remain),
+    which moved the two runs apart by up to 3 MiB at a boundary on an H100. After the queued
+    work: a storage used on another stream than its own (``record_stream``: an offloaded
+    activation until its D2H lands, a reload used on the compute stream) goes back to the
+    allocator only when that stream has passed it, and the allocator looks at those events at
+    its next allocation; read earlier, how much of it is back depends on how far the GPU lags
+    the host (on the H100 an offload run read 243 MB higher at a boundary under load than
+    alone). The host order of the offloader's calls is what the prediction follows, and
+    synchronising at a mark changes none of it."""
+    torch.cuda.synchronize(device)
+    torch.empty(1, device=device)  # an allocation: the allocator frees what the events allow
     stats = torch.cuda.memory_stats_as_nested_dict(device)
     return int(stats["requested_bytes"]["all"]["current"])
 
