@@ -17,6 +17,7 @@ other, only their timing.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import signal
@@ -80,7 +81,8 @@ def use_share(
     terminal's hangup, a runner's stop) reaches the whole process group, and the parent, not
     each worker, decides to stop (``kill_pool``) - a worker that took it would go on to its next
     queued call, or die as a crash the parent would retry. It dies with its forkserver and with
-    the pool's owner, however they end (``harness.run.lifeline``)."""
+    the pool's owner, however they end (``harness.run.lifeline``). What a worker holds before
+    its first call is kept out of the garbage collector's walks (``freeze_imported``)."""
     if inherited is not None:
         inherited.adopt()
     if multiprocessing.parent_process() is not None:
@@ -89,9 +91,23 @@ def use_share(
         lifeline.die_with_parent(os.getppid())
         if inherited is not None and inherited.owner is not None:
             lifeline.die_with(inherited.owner)
+        freeze_imported()
     torch.set_num_threads(threads_per_worker(jobs))
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def freeze_imported() -> None:
+    """Collect, then move every object left (torch, TorchDynamo, FSDP2 and the harness as
+    imported: about 290,000 objects in a worker) into the collector's permanent generation,
+    which no collection walks. Every observed step ends with a full collection
+    (``harness.measure.observe.held``: a host storage kept only by a reference cycle is not
+    held); walking the imports made each one 0.13 s of CPU on the 2-core CPU machine, eight per
+    case, two thirds of a case's CPU time. What a case makes comes after the freeze and is
+    collected as before; only what existed before the first case (modules, classes, functions)
+    is never freed."""
+    gc.collect()
+    gc.freeze()
 
 
 def worker_pool(jobs: int, device: torch.device | None = None) -> ProcessPoolExecutor:

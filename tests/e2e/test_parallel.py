@@ -123,6 +123,31 @@ def test_a_mismatch_gets_every_step_of_the_hooks_baseline() -> None:
     assert res.hooks.losses.shape == res.plain.losses.shape
 
 
+def _collected_after_freeze() -> tuple[int, bool]:
+    """In a worker: how many objects its start froze, and whether a host storage kept only by
+    a reference cycle made now is still freed by a collection (what the leak check's held
+    storages rely on, ``harness.measure.observe.held``)."""
+    import gc
+    import weakref
+
+    storage = torch.empty(16).untyped_storage()
+    alive = weakref.ref(storage)
+    cycle: list[object] = [storage]
+    cycle.append(cycle)
+    del storage, cycle
+    gc.collect()
+    return gc.get_freeze_count(), alive() is None
+
+
+def test_a_worker_freezes_its_imports_and_still_collects_a_cases_cycles() -> None:
+    """Every observed step ends with a full collection; a worker's imports (torch, the
+    harness) are frozen at its start so that collection skips them, and what a case makes
+    afterwards is collected as before."""
+    with worker_pool(1) as pool:
+        frozen, freed = pool.submit(_collected_after_freeze).result()
+    assert frozen > 10_000 and freed
+
+
 def test_stopping_the_forkserver_kills_it_and_a_later_pool_starts_another() -> None:
     import multiprocessing.forkserver
 
