@@ -12,6 +12,11 @@ declares (``capabilities(spec)``).
 Race provocation (CUDA only): ``<backend>+delays`` runs the reference offloader or a broken one
 with ``DEFAULT_RACE_DELAYS``; ``<backend>+delays:d2h=N,h2d=N,compute=N`` chooses the sleep
 cycles (``harness.offload.reference.RaceDelays``; about 2000 cycles per microsecond on an H200).
+
+The table (``BACKENDS``) holds factory paths, not factories, and registers the broken
+offloaders lazily: their entries come from their catalogue (``harness.offload.broken.OFFLOADERS``),
+read when a name outside the fixed entries is first looked up or the backends are first listed,
+so importing this module does not import them.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harness.offload.broken import LONG_DELAY, OFFLOADERS
 from harness.offload.config import OffloadConfig
+from harness.offload.copies import LONG_DELAY
 from harness.offload.protocol import Capabilities, Offloader
 from harness.offload.reference import RaceDelays
 from harness.offload.semantics import Semantics
@@ -70,7 +76,7 @@ class BackendEntry:
 
 ROLES = ("offloader", "baseline", "broken", "adapter")
 
-BACKENDS: tuple[BackendEntry, ...] = (
+_BEFORE_BROKEN: tuple[BackendEntry, ...] = (
     BackendEntry(
         name="reference", factory="harness.offload.reference:OffloadContext", role="offloader"
     ),
@@ -78,14 +84,8 @@ BACKENDS: tuple[BackendEntry, ...] = (
     BackendEntry(
         name="hooks", factory="harness.offload.recorder:RecordingOffloader", role="baseline"
     ),
-    *(
-        BackendEntry(
-            name=record.name,
-            factory=f"{record.factory.__module__}:{record.factory.__qualname__}",
-            role="broken",
-        )
-        for record in OFFLOADERS
-    ),
+)
+_AFTER_BROKEN: tuple[BackendEntry, ...] = (
     BackendEntry(
         name="mcore", factory="harness.offload.mcore:McoreOffloader", role="adapter", extra="mcore"
     ),
@@ -103,14 +103,57 @@ BACKENDS: tuple[BackendEntry, ...] = (
         extra="transformer-engine",
     ),
 )
-"""Every named backend, in the order ``offload-harness backends`` lists them: the reference,
-the two baselines (``none``, ``hooks``), every broken offloader of ``harness.offload.broken``,
-then the adapters. ``mcore`` drives megatron-core's own offloader (CUDA and the ``mcore``
-extra); ``mcore.inline-wait`` adds the D2H wait its inline reload lacks, to localise
-Megatron-LM #7398."""
+_FIXED: dict[str, BackendEntry] = {e.name: e for e in (*_BEFORE_BROKEN, *_AFTER_BROKEN)}
+"""The entries that are not the broken catalogue's, by name: looked up without reading it."""
 
-NAMED: dict[str, BackendEntry] = {entry.name: entry for entry in BACKENDS}
-"""Every named backend by name."""
+
+@functools.cache
+def _table() -> tuple[BackendEntry, ...]:
+    """``BACKENDS``: the fixed entries around the broken catalogue's, read here, once."""
+    from harness.offload.broken import OFFLOADERS  # the catalogue, on first listing or lookup
+
+    broken = (
+        BackendEntry(
+            name=record.name,
+            factory=f"{record.factory.__module__}:{record.factory.__qualname__}",
+            role="broken",
+        )
+        for record in OFFLOADERS
+    )
+    return (*_BEFORE_BROKEN, *broken, *_AFTER_BROKEN)
+
+
+@functools.cache
+def _named() -> dict[str, BackendEntry]:
+    return {entry.name: entry for entry in _table()}
+
+
+if TYPE_CHECKING:
+    BACKENDS: tuple[BackendEntry, ...]
+    """Every named backend, in the order ``offload-harness backends`` lists them: the
+    reference, the two baselines (``none``, ``hooks``), every broken offloader of
+    ``harness.offload.broken``, then the adapters. ``mcore`` drives megatron-core's own
+    offloader (CUDA and the ``mcore`` extra); ``mcore.inline-wait`` adds the D2H wait its inline
+    reload lacks, to localise Megatron-LM #7398. Built on first use (``__getattr__``)."""
+    NAMED: dict[str, BackendEntry]
+    """Every named backend by name (built on first use)."""
+
+
+def __getattr__(name: str) -> Any:
+    """``BACKENDS`` and ``NAMED``, built when first asked for (PEP 562): the broken catalogue
+    is imported then, not with this module."""
+    if name == "BACKENDS":
+        return _table()
+    if name == "NAMED":
+        return _named()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def entry_named(name: str) -> BackendEntry | None:
+    """The table's entry called ``name``, or None; the broken catalogue is read only for a name
+    outside the fixed entries."""
+    return _FIXED.get(name) or _named().get(name)
+
 
 UNDECLARED = Capabilities()
 """The record of a factory that declares none: no description, no semantics (the prediction
@@ -181,7 +224,7 @@ def backend_record(spec: str | Backend) -> Backend:
         return spec
     factory = resolve_backend(spec)
     base, plus, tail = spec.partition(DELAYS)
-    entry = NAMED.get(base)
+    entry = entry_named(base)
     delays = None
     if plus:
         delays = parse_race_delays(tail[1:]) if tail else DEFAULT_RACE_DELAYS
@@ -199,20 +242,20 @@ def backend_record(spec: str | Backend) -> Backend:
 
 def backend_names() -> list[str]:
     """Every name ``resolve_backend`` accepts without an import path."""
-    return list(NAMED)
+    return list(_named())
 
 
 def describe(name: str) -> str:
     """A short description of a named backend (its record's, else where it comes from)."""
+    entry = entry_named(name)
+    adapter = entry if entry is not None and entry.role == "adapter" else None
     try:
         text = capabilities(name).description
     except ValueError:
-        entry = NAMED.get(name)
-        if entry is None or entry.role != "adapter":
+        if adapter is None:
             raise
         text = ""  # its optional module does not import here
-    adapter = name in NAMED and NAMED[name].role == "adapter"
-    return text or f"optional backend ({NAMED[name].factory if adapter else name})"
+    return text or f"optional backend ({adapter.factory if adapter is not None else name})"
 
 
 def capabilities(spec: str) -> Capabilities:
@@ -254,8 +297,9 @@ def resolve_backend(spec: str) -> Factory:
     base, plus, tail = spec.partition(DELAYS)
     if plus:
         return _delayed(base, tail, spec)
-    if spec in NAMED:
-        return _import_factory(NAMED[spec].factory, shown=spec)
+    entry = entry_named(spec)
+    if entry is not None:
+        return _import_factory(entry.factory, shown=spec)
     if ":" in spec:
         return _import_factory(spec, shown=spec)
     raise ValueError(

@@ -65,6 +65,12 @@ class RaceDelays:
                 raise ValueError(f"RaceDelays.{name} must be an int >= 0 (cycles), got {value!r}")
 
 
+LONG_DELAY = 20_000_000
+"""Sleep cycles per group (about 10 ms on an H200): far longer than any copy of a test model.
+The race delays of ``<backend>+delays`` (``harness.offload.backends.DEFAULT_RACE_DELAYS``) and of
+the broken offloaders that need them (``harness.offload.broken.OFFLOADERS``)."""
+
+
 def _fast_apply(function: type[torch.autograd.Function]) -> Any:
     """``function.apply`` without ``torch.autograd.Function.apply``'s Python layer (it rebinds
     default arguments and unwraps dead functorch wrappers: about 5 us a call on the H200 box's

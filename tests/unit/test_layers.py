@@ -4,8 +4,8 @@ imports only from its own layer or the layers below it.
     vocabulary -> offload -> models -> measure -> execute -> verify -> diagnose -> run -> top
 
 A stage is a folder of ``harness/`` (``FOLDERS``: ``vocab/`` and ``util/`` are the vocabulary,
-``plugin/``, ``tools/`` and ``testing/`` the top); the few modules on top of ``harness/`` are
-placed one by one (``TOP_LEVEL``).
+``cases/``, the case table, sits with the models, ``plugin/``, ``tools/`` and ``testing/`` are
+the top); the few modules on top of ``harness/`` are placed one by one (``TOP_LEVEL``).
 
 ``top`` is the command line, the pytest plugin and the tools (and the test helpers). Reporting
 is a leaf beside the stack: it imports only the vocabulary (and itself), and only ``verify``
@@ -52,6 +52,7 @@ FOLDERS: dict[str, str] = {
     "util": "vocabulary",  # utilities that import no other layer
     "offload": "offload",
     "models": "models",  # our models, megatron-core's, and the training loop
+    "cases": "models",  # the case table: data over the vocabulary and offload config
     "measure": "measure",  # the instruments
     "execute": "execute",  # a case's runs: prediction, baselines, attribution
     "verify": "verify",  # checks, judge, golden traces, the catalogue's catchers
@@ -66,11 +67,11 @@ FOLDERS: dict[str, str] = {
 
 TOP_LEVEL: dict[str, str] = {
     "harness": "vocabulary",
-    "harness.cases": "models",  # the case table: data over the vocabulary and offload config
     "harness.overrides": "models",  # the case fields a run's flags override, declared once
     "harness.__main__": "top",
     "harness.entry": "top",
     "harness.cli": "top",
+    "harness.cli_output": "top",  # the run's console lines and report writes
 }
 """The modules that sit on top of ``harness/``, outside the stage folders."""
 

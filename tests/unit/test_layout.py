@@ -1,5 +1,7 @@
 """The package's structure: no import cycle inside ``harness/`` (module-level and
-function-level imports alike), and the case table imports without torch."""
+function-level imports alike), the case table imports without torch, the backends table without
+the broken catalogue, and no module is over ``MAX_MODULE_LINES`` lines nor any function over
+``MAX_FUNCTION_LINES``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+"""The size bar (issue 57): a module of at most 600 lines, a function or method of at most 80
+(``end_lineno - lineno + 1``, decorators not counted)."""
 
 
 def _import_graph() -> dict[str, set[str]]:
@@ -67,6 +74,86 @@ def test_case_table_imports_without_torch() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) > 0
+
+
+def test_backends_import_without_the_broken_catalogue() -> None:
+    """``import harness.offload.backends`` leaves the broken offloaders unimported (they are
+    read when a ``broken.<name>`` is first looked up or the backends listed); a fixed name
+    resolves without them, and listing brings every one of them in."""
+    code = (
+        "import sys; import harness.offload.backends as b; "
+        "loaded = lambda: 'harness.offload.broken' in sys.modules; "
+        "first = loaded(); b.resolve_backend('reference'); b.describe('save-on-cpu'); "
+        "second = loaded(); names = b.backend_names(); "
+        "print(first, second, loaded(), sum(n.startswith('broken.') for n in names))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    first, second, third, broken = done.stdout.split()
+    assert (first, second, third) == ("False", "False", "True"), done.stdout
+    assert int(broken) > 10
+
+
+def _python_files() -> list[Path]:
+    """Every Python file the size bar covers: ``harness/``, ``cases/``, ``tests/`` and
+    ``examples/`` recursively, ``scripts/`` (``*.py`` and the extension-less Python wrappers)
+    and ``conftest.py``."""
+    files = [REPO / "conftest.py"]
+    for folder in ("harness", "cases", "tests", "examples"):
+        files += (REPO / folder).rglob("*.py")
+    for path in (REPO / "scripts").iterdir():
+        if path.suffix == ".py" or (path.is_file() and not path.suffix and _python_script(path)):
+            files.append(path)
+    return sorted({f for f in files if f.is_file()})
+
+
+def _python_script(path: Path) -> bool:
+    with path.open("rb") as file:
+        first = file.readline()
+    return first.startswith(b"#!") and b"python" in first
+
+
+def oversized(path: Path, root: Path = REPO) -> list[str]:
+    """One line per breach of the size bar in ``path``: the module's line count over
+    ``MAX_MODULE_LINES``, each function or method over ``MAX_FUNCTION_LINES``."""
+    text = path.read_text()
+    shown = path.relative_to(root)
+    problems = []
+    lines = len(text.splitlines())
+    if lines > MAX_MODULE_LINES:
+        problems.append(f"{shown}: {lines} lines (at most {MAX_MODULE_LINES})")
+    for node in ast.walk(ast.parse(text, filename=str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            if length > MAX_FUNCTION_LINES:
+                problems.append(
+                    f"{shown}:{node.lineno}: {node.name} is {length} lines "
+                    f"(at most {MAX_FUNCTION_LINES})"
+                )
+    return problems
+
+
+def test_modules_and_functions_are_within_the_size_bar() -> None:
+    files = _python_files()
+    assert len(files) > 150 and REPO / "harness" / "cli.py" in files, "the walk finds them"
+    problems = [line for path in files for line in oversized(path)]
+    for line in problems:
+        print(line)
+    assert not problems, "over the size bar:\n" + "\n".join(problems)
+
+
+def test_the_size_bar_finds_a_long_module_and_function(tmp_path: Path) -> None:
+    body = "\n".join(f"    x = {i}" for i in range(MAX_FUNCTION_LINES))
+    short = "def short():\n    return 1\n"
+    (tmp_path / "long.py").write_text(f"def long():\n{body}\n" + "\n" * MAX_MODULE_LINES)
+    (tmp_path / "fine.py").write_text(short)
+    assert oversized(tmp_path / "fine.py", tmp_path) == []
+    assert oversized(tmp_path / "long.py", tmp_path) == [
+        f"long.py: {MAX_FUNCTION_LINES + 1 + MAX_MODULE_LINES} lines (at most 600)",
+        f"long.py:1: long is {MAX_FUNCTION_LINES + 1} lines (at most 80)",
+    ]
 
 
 def test_every_package_is_listed_for_the_wheel() -> None:

@@ -48,10 +48,8 @@ from harness.offload.broken.transport import (
     LyingLog,
     Pageable,
 )
+from harness.offload.copies import LONG_DELAY
 from harness.offload.reference import OffloadContext, RaceDelays
-
-LONG_DELAY = 20_000_000
-"""Sleep cycles per group (about 10 ms on an H200): far longer than any copy of a test model."""
 
 NO_DELAYS = RaceDelays()
 
