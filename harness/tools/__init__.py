@@ -1,6 +1,7 @@
 """The harness's tools beside ``run`` and ``repro``, each a module with ``main(argv)`` and an
 ``offload-harness`` subcommand: ``bench`` (step time and copy rates), ``mutation-score``
-(detection power), ``nightly`` (the gate) and ``host-profile`` (cProfile of steady steps).
+(detection power), ``nightly`` (the gate), ``host-profile`` (cProfile of steady steps) and
+``time-budget`` (the ways to a verdict timed against their budgets).
 ``scripts/`` keeps thin wrappers of the same names."""
 
 TOOLS = {
@@ -8,5 +9,6 @@ TOOLS = {
     "mutation-score": "harness.tools.mutation_score",
     "nightly": "harness.tools.nightly",
     "host-profile": "harness.tools.host_profile",
+    "time-budget": "harness.tools.timebudget",
 }
 """Subcommand -> module."""
