@@ -1,5 +1,6 @@
-"""``harness.util.bytecode``: the note for an interpreter that compiles torch at every start, and
-where it is shown (the pytest session's console, ``run``'s first line); ``-n auto`` on CUDA."""
+"""``harness.util.bytecode``: the note for an interpreter that compiles torch at every start;
+``-n auto`` on CUDA. Where the note is shown in a pytest session's console is in
+``tests/e2e/test_bytecode_processes.py``."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import torch
 from harness.plugin import workers
 from harness.run import budget, settings
 from harness.util.bytecode import missing_bytecode
-
-pytest_plugins = ["pytester"]
 
 
 def _package(tmp_path: Path, name: str) -> ModuleType:
@@ -57,20 +56,6 @@ def test_a_cache_that_could_not_be_written_names_its_folder(
 
 def test_a_module_without_a_python_source_gets_no_note() -> None:
     assert missing_bytecode(torch._C) is None  # an extension module
-
-
-def test_the_pytest_console_shows_the_note_even_under_q(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(
-        "harness.util.bytecode.missing_bytecode", lambda module: f"NOTE {module.__name__}"
-    )
-    pytester.makepyfile(test_plain="def test_ok():\n    pass\n")
-    done = pytester.runpytest_inprocess(
-        "-q", "-p", "no:harness.plugin", "-p", "harness.plugin.workers"
-    )
-    done.assert_outcomes(passed=1)
-    assert "offload-harness: note: NOTE torch" in done.stdout.str()
 
 
 @pytest.mark.parametrize(("device", "expected"), [("cuda", 12), ("cpu", None)])

@@ -1,6 +1,6 @@
 """One declaration per idea: the per-case overrides (``harness.overrides``), the backends table
 and the resolved backend record (``harness.offload.backends``), and ``--models`` with its
-deprecated alias ``--family``.
+deprecated alias ``--family`` (in a pytest session: ``tests/e2e/test_settings_processes.py``).
 
 The expected flags, values and command lines are written out here as the CLI had them before
 the tables generated them, so a table that drifts fails here rather than agreeing with itself.
@@ -25,8 +25,6 @@ from harness.offload.reference import OffloadContext
 from harness.run import settings
 from harness.verify.commands import repro_command, table_row
 from harness.vocab.spec import PRECISIONS, SCHEDULES
-
-pytest_plugins = ["pytester"]
 
 # --------------------------------------------------------------------------- per-case overrides
 
@@ -169,17 +167,6 @@ def test_the_family_alias_resolves_like_models(capsys: pytest.CaptureFixture[str
         settings.resolve({"family": "gpt", "device": "cpu"})
     with pytest.raises(settings.SettingError, match="deprecated alias of --models; give one"):
         settings.resolve({"models": "mcore", "family": "all", "device": "cpu"})
-
-
-def test_the_family_alias_works_in_pytest(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(
-        "def test_models(settings):\n    assert settings.models == 'mcore', settings.models\n"
-    )
-    result = pytester.runpytest("-p", "harness.plugin", "--family", "mcore", "--report-dir", "")
-    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
-    assert result.stderr.str().count(NOTICE) == 1, result.stderr.str()
-    result = pytester.runpytest("-p", "harness.plugin", "--models", "mcore", "--report-dir", "")
-    assert result.ret == pytest.ExitCode.OK and NOTICE not in result.stderr.str()
 
 
 # ----------------------------------------------------------------- the resolved backend record

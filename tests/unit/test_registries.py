@@ -1,13 +1,12 @@
 """The extension axes are registries: a layer symbol, an offload group name and a model
 implementation are each one table entry (``harness.vocab.groups``, ``harness.vocab.impls``) plus
 their own module; nothing else names them. Each test adds an entry and shows the rest of the harness
-picks it up."""
+picks it up. The checks from outside this interpreter (``git grep``, imports without torch) are in
+``tests/e2e/test_registries_processes.py``."""
 
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
 from dataclasses import replace
 from typing import Any
 
@@ -108,32 +107,6 @@ def test_a_model_implementation_is_one_registry_entry(monkeypatch: pytest.Monkey
 
 def never_here(device: Any) -> str:
     return "not here: test"
-
-
-def test_no_module_names_an_implementation_but_the_registry() -> None:
-    """'is this a megatron-core row' is asked of the registry, never by name."""
-    found = subprocess.run(
-        [
-            "git",
-            "grep",
-            "-nE",
-            r"impl (==|!=|in) |startswith\(\"mcore|MCORE_IMPLS",
-            "--",
-            "harness",
-            "cases",
-            ":!harness/vocab/impls.py",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert found.stdout == "", found.stdout
-
-
-def test_case_table_imports_without_torch() -> None:
-    code = "import sys; sys.modules['torch'] = None; import harness.cases, harness.run.settings"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
 
 
 def test_every_symbol_and_group_is_consistent() -> None:

@@ -1,5 +1,6 @@
 """One settings model (``harness.run.settings``): every entry point takes a setting with the same
-flag, default, help and error - the CLI's subcommands, the tools and the pytest plugin."""
+flag, default, help and error - the CLI's subcommands, the tools and the pytest plugin. The
+checks that start a pytest session beside the CLI: ``tests/e2e/test_settings_processes.py``."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ from harness import cli
 from harness.plugin.options import PYTEST_OPTIONS
 from harness.run import settings
 from harness.tools import mutation_score, nightly
-
-pytest_plugins = ["pytester"]
 
 
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -42,34 +41,6 @@ def test_cli_and_pytest_options_come_from_one_table(pytestconfig: pytest.Config)
         assert registered[option.flag].get("default", False) == (
             False if option.switch else option.default
         ), name
-
-
-@pytest.mark.parametrize(
-    ("flag", "value", "message"),
-    [
-        ("--device", "gpu", "--device must be auto, cpu, cuda or cuda:N; got 'gpu'"),
-        ("--model-size", "huge", "--model-size must be one of auto, tiny, small; got 'huge'"),
-        ("--models", "theirs", "--models must be one of harness, mcore, all; got 'theirs'"),
-        ("--matrix", "nightly", "--matrix must be one of default, full; got 'nightly'"),
-        ("--backend", "nope", "--backend: unknown backend 'nope'"),
-        ("--nvte-cpu-offload-v1", "2", "--nvte-cpu-offload-v1 must be 0 or 1; it is '2'"),
-    ],
-)
-def test_bad_value_is_the_same_one_line_error_in_cli_and_pytest(
-    pytester: pytest.Pytester,
-    capsys: pytest.CaptureFixture[str],
-    flag: str,
-    value: str,
-    message: str,
-) -> None:
-    assert cli.main(["run", flag, value]) == 2
-    cli_error = capsys.readouterr().err.strip()
-    assert cli_error.startswith(f"offload-harness: error: {message}"), cli_error
-    assert "\n" not in cli_error
-    pytester.makepyfile("def test_nothing():\n    pass\n")
-    result = pytester.runpytest("-p", "harness.plugin", flag, value)
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert f"ERROR: {message}" in result.stderr.str(), result.stderr.str()
 
 
 def test_device_resolver_accepts_the_same_spellings_everywhere() -> None:
@@ -112,33 +83,6 @@ def test_tools_take_the_shared_flags(capsys: pytest.CaptureFixture[str]) -> None
     assert "--jobs must be an int >= 1; got '0'" in capsys.readouterr().err
     assert nightly.main(["--backend", "nope", "--dry-run"]) == 2
     assert "--backend: unknown backend 'nope'" in capsys.readouterr().err
-
-
-def test_race_delays_need_cuda_in_cli_and_pytest(
-    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
-) -> None:
-    if torch.cuda.is_available():
-        pytest.skip("the refusal is for a session without CUDA")
-    message = "--race-delays / <backend>+delays need a CUDA device"
-    for argv in (["--race-delays", "d2h=1"], ["--backend", "reference+delays"]):
-        assert cli.main(["run", "--device", "cpu", *argv]) == 2
-        assert message in capsys.readouterr().err
-        pytester.makepyfile("def test_nothing():\n    pass\n")
-        result = pytester.runpytest("-p", "harness.plugin", "--device", "cpu", *argv)
-        assert result.ret == pytest.ExitCode.USAGE_ERROR
-        assert message in result.stderr.str()
-
-
-def test_cuda_sanitizer_needs_cuda_in_cli_and_pytest(
-    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
-) -> None:
-    message = "--cuda-sanitizer needs a CUDA device"
-    assert cli.main(["run", "--device", "cpu", "--cuda-sanitizer"]) == 2
-    assert message in capsys.readouterr().err
-    pytester.makepyfile("def test_nothing():\n    pass\n")
-    result = pytester.runpytest("-p", "harness.plugin", "--device", "cpu", "--cuda-sanitizer")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert message in result.stderr.str()
 
 
 def test_nvte_cpu_offload_v1_defaults_to_the_environment_then_1(
@@ -188,20 +132,6 @@ def test_a_sanitizer_race_is_one_line_naming_streams_ops_and_frames() -> None:
         "(/repo/harness/models/layers.py:12 reload) without waiting for stream 9's write in "
         "aten::copy_ (/repo/harness/offload/reference.py:12 reload)"
     )
-
-
-def test_empty_report_dir_writes_nothing_in_run_and_pytest(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.chdir(pytester.path)
-    case = "hybrid-+-+-+-_core_attn+attn_proj_sequential_bf16"
-    code = cli.main(["run", "--device", "cpu", "--case", case, "--steps", "2", "--report-dir", ""])
-    assert code in (0, 1)
-    pytester.makepyfile("def test_nothing():\n    pass\n")
-    result = pytester.runpytest("-p", "harness.plugin", "--report-dir", "")
-    assert result.ret == 0
-    leftovers = sorted(p.name for p in pytester.path.iterdir() if p.is_dir())
-    assert "reports" not in leftovers, leftovers
 
 
 def test_unknown_setting_is_refused() -> None:
