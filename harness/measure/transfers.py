@@ -23,12 +23,13 @@ Where the events come from
         to diagnose a suspected in-memory mismatch (``source="trace"``, or the environment
         variable ``OFFLOAD_HARNESS_TRANSFERS_SOURCE=trace`` for a whole ``offload-harness``
         run).
-    CPU mode is proven identical both ways on real runs (``tests/unit/test_transfers.py``). Device
-    mode reads the same fields the same way (tested on synthetic activities against torch's
-    chrome writer), but equality on real CUDA traces is not proven yet: the H200 box's torch
-    2.11 has no ``trace_activities``, so there every count comes from the chrome trace (the
-    proof, ``pytest tests/unit/test_transfers.py -k memory_counts_match_chrome_trace``, skips on
-    such a torch and is owed on a CUDA build that has it).
+    CPU mode is proven identical both ways on real runs (``tests/e2e/test_transfers_runs.py``).
+    Device mode reads the same fields the same way (tested on synthetic activities against
+    torch's chrome writer), but equality on real CUDA traces is not proven yet: the H200 box's
+    torch 2.11 has no ``trace_activities``, so there every count comes from the chrome trace
+    (the proof, ``pytest tests/unit/test_transfers.py tests/e2e/test_transfers_runs.py -k
+    memory_counts_match_chrome_trace``, skips on such a torch and is owed on a CUDA build that
+    has it).
 
 How a copy is attributed to a group (``harness.offload.ranges.RangeKey``)
     Every backend runs a group's copies inside

@@ -180,8 +180,9 @@ def _quiet_about_returned_views(classes: set[str]) -> None:
     """Silence FSDP2's warning that one of these modules returned a view, which it prints for
     every offloaded layer (an offloader's identity autograd function returns a view of its
     input): the warning is about an in-place op on that view dropping FSDP's pre-backward hook,
-    and our models never modify a layer's output in place (``tests/unit/test_models.py`` proves it
-    with the outputs' version counters). Only these classes: another model's is still said."""
+    and our models never modify a layer's output in place (``tests/e2e/test_models_runs.py``
+    proves it with the outputs' version counters). Only these classes: another model's is still
+    said."""
     names = "|".join(sorted(f"FSDP{name}" for name in classes))
     warnings.filterwarnings(
         "ignore",
