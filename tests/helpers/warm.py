@@ -345,6 +345,10 @@ def _pool_from_this_server() -> None:
         and getattr(server, "_forkserver_pid", 0) is None
     ):
         server.ensure_running = multiprocessing.resource_tracker.ensure_running
+        # ``multiprocessing.forkserver.ensure_running`` is the same method bound at import, and
+        # what ``harness.run.forkserver.start`` (``python -m harness run``'s first step) calls:
+        # left alone, every warm run started a server of its own (3 s of importing torch again).
+        multiprocessing.forkserver.ensure_running = server.ensure_running
 
 
 def _quiet_about_preloaded_plugins() -> None:
