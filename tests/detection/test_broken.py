@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from shared_runs import SharedRuns
 
 from harness.cases import default_matrix
 from harness.models.hybrid import build_model, make_batches
@@ -413,6 +414,7 @@ def test_cuda_only_classes_are_the_reference_on_cpu(factory: type[OffloadContext
     assert [_moved(log) for log in result.logs] == [_moved(log) for log in reference.logs]
 
 
+@pytest.mark.judges_row(detection.SEED)
 @pytest.mark.parametrize(
     ("backend", "seen_by", "step"),
     [
@@ -421,15 +423,15 @@ def test_cuda_only_classes_are_the_reference_on_cpu(factory: type[OffloadContext
     ],
 )
 def test_middle_step_bugs_are_seen_only_by_the_every_step_checks(
-    backend: str, seen_by: str, step: str
+    backend: str, seen_by: str, step: str, shared_runs: SharedRuns
 ) -> None:
     """The final step and the warmup are right, so the final-step counts, the final-step log
-    and the offload proof see nothing; only the checks of every step name the step."""
+    and the offload proof see nothing; only the checks of every step name the step. The seed
+    row's runs of the broken backend are those its catalogue test judges (``shared_runs``)."""
     from harness.execute.environment import Environment
-    from harness.execute.steps import run_case
-    from harness.verify.detection import SEED
 
-    res = run_case(SEED, Environment(device=torch.device("cpu"), backend=backend))
+    env = Environment(device=torch.device("cpu"), backend=backend)
+    res = shared_runs.case_run(detection.SEED, env)
     assert res.mismatches() == [] and res.log_mismatches() == [] and not res.proof_problems
     found = getattr(res, seen_by)()
     assert found and all(line.startswith(step) for line in found), found

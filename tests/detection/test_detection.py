@@ -14,10 +14,11 @@ first one with a failing check, as ``-x`` over its catcher tests would. The fail
 be one the entry names for that case: when an earlier check of the judge fails first (a real
 failure too), the case is judged again on the named checks alone, which must fail as well. The
 failure's problems must name a step, a microbatch and a group. The control judges every catcher
-case of every entry with the reference: no check may fail, and each check an entry names for a
-case must pass there. On CUDA a broken offloader runs with its entry's race delays, as
-``scripts/mutation_score`` runs it; classes CPU cannot show (pinned memory, host syncs) run on
-CUDA only, and on CPU the memory and sync catchers are dropped (both are ``n-a`` there).
+case of every entry with the reference, one test per case: no check may fail, and each check an
+entry names for the case must pass there. On CUDA a broken offloader runs with its entry's race
+delays, as ``scripts/mutation_score`` runs it; classes CPU cannot show (pinned memory, host
+syncs) run on CUDA only, and on CPU the memory and sync catchers are dropped (both are ``n-a``
+there).
 
 End to end, once. ``test_pytest_fails_a_broken_offloader`` (``slow``) runs one inner pytest
 session in a subprocess (``pytester``; an in-process session would re-import torch modules that
@@ -28,18 +29,19 @@ step, the microbatch and the group. The inner session runs on this session's dev
 process's share of the cores: one with all the cores' threads spins against the other xdist
 workers and runs many times slower.
 
-Shared and left behind. The in-process tests share this process's plain baseline
-(``harness.execute.baselines.plain_baseline``, one key at a time): the plain run has no offloader,
-so it is the same for every backend, and ``offload-harness run`` and ``scripts/mutation_score``
-share it between backends alike. So this module overrides ``tests/conftest.py``'s per-test
-``forget_plain_baselines`` (nothing here patches how a run trains, and every other test of
-``tests/`` forgets the baseline before and after itself), orders the entries and the control's
-cases so that those sharing a plain key run back to back, and puts the entries that share one
-in one xdist group. A broken offloader keeps no module-level state (``harness.offload.broken``
-has none; the judge closes every offloader it builds); each in-process test checks that its
-runs left no saved-tensor hooks, dispatch or function modes, grad mode, deterministic-algorithm
-flags or default dtype behind. Entries the default matrix cannot show (see each entry's
-``needs``) are skipped with that reason.
+Shared and left behind. The in-process tests share this process's runs
+(``tests/helpers/shared_runs.py``, the ``shared_runs`` fixture): nothing here patches how a run
+trains, the plain run has no offloader (so it is the same for every backend, as ``offload-harness
+run`` and ``scripts/mutation_score`` share it between backends), and a case judged the same way
+twice - the control on a catcher row and that row's case tests under ``cases/``, a broken
+offloader here and in ``test_third_party.py`` or ``test_mutation_score.py`` - is trained once.
+Each test judges the rows of one xdist group: the control's and an entry's (its first catcher's)
+are the groups of those rows' case tests (``judges_row``), whose runs they then read. A broken
+offloader keeps no module-level state (``harness.offload.broken`` has none; the judge closes
+every offloader it builds); each in-process test checks that its runs left no saved-tensor
+hooks, dispatch or function modes, grad mode, deterministic-algorithm flags or default dtype
+behind. Entries the default matrix cannot show (see each entry's ``needs``) are skipped with
+that reason.
 """
 
 from __future__ import annotations
@@ -47,9 +49,8 @@ from __future__ import annotations
 import gc
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 import torch
@@ -57,7 +58,6 @@ import warm
 from child_pytest import CHILD_OPTIONS
 
 from harness.cases import Case
-from harness.execute.baselines import sharing_key
 from harness.execute.environment import Environment
 from harness.offload.backends import with_delays
 from harness.offload.broken import NO_DELAYS
@@ -86,8 +86,6 @@ CUDA_ONLY_CHECKS = ("memory", "sync")
 
 END_TO_END = entry("broken.corrupt_reload")
 """The broken offloader the one subprocess test runs (CPU and CUDA; a cheap seed-case catch)."""
-
-T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------ catalogue
@@ -125,41 +123,46 @@ def _environment(settings: Settings, backend: str = "reference") -> Environment:
     return Environment(device=settings.device, backend=backend, model_size=settings.model_size)
 
 
-def _by_plain_key(items: list[T], key: Callable[[T], str]) -> list[T]:
-    """``items`` with those sharing a plain key moved up behind the first of them (otherwise
-    in their order): the plain baseline is cached one key at a time."""
-    groups: dict[str, list[T]] = {}
-    for item in items:
-        groups.setdefault(key(item), []).append(item)
-    return [item for group in groups.values() for item in group]
+judges_row = pytest.mark.judges_row
+"""Runs in the xdist group of that row's case tests, reading their runs (``conftest.py``)."""
 
 
-def _entry_key(broken: BrokenBackend, env: Environment) -> str:
-    """The plain key of the first case ``broken`` runs (its name when it runs none)."""
-    cases = _catcher_cases(broken, env.device)
-    return sharing_key(cases[0][0], env) if cases else broken.name
-
-
-def _param(broken: BrokenBackend, env: Environment) -> object:
-    marks = [pytest.mark.xdist_group(f"detection-plain-{_entry_key(broken, env)}")]
+def _param(broken: BrokenBackend, device: torch.device) -> object:
+    cases = _catcher_cases(broken, device)
+    marks = [judges_row(cases[0][0])] if cases else []
     if not broken.cpu:
         marks.append(pytest.mark.gpu)
     if not broken.catchers:
         marks.append(pytest.mark.skip(reason=f"the default matrix cannot show it: {broken.needs}"))
-    elif not _catchers(broken, env.device):
+    elif not _catchers(broken, device):
         reason = f"every catcher of it is a {'/'.join(CUDA_ONLY_CHECKS)} check: needs CUDA"
         marks.append(pytest.mark.skip(reason=reason))
     return pytest.param(broken, id=broken.name, marks=marks)
 
 
+def _every_catcher(device: torch.device) -> list[tuple[Case, set[str]]]:
+    """Every catcher case of the catalogue once, in catalogue order, with the checks any entry
+    names for it."""
+    named: dict[str, tuple[Case, set[str]]] = {}
+    for broken in CATALOGUE:
+        for check, case in _catchers(broken, device):
+            named.setdefault(case.name, (case, set()))[1].add(check)
+    return list(named.values())
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """``entry``: every catalogue entry, ordered and xdist-grouped by the plain key of its
-    first catcher case on this session's device and model size."""
-    if "entry" not in metafunc.fixturenames:
-        return
-    env = _environment(metafunc.config.stash[SETTINGS])
-    entries = _by_plain_key(list(CATALOGUE), lambda broken: _entry_key(broken, env))
-    metafunc.parametrize("entry", [_param(broken, env) for broken in entries])
+    """``entry``: every catalogue entry; ``catcher``: every catcher case with its named checks;
+    each in the xdist group of the case tests of the (first) row it judges."""
+    device = metafunc.config.stash[SETTINGS].device
+    if "entry" in metafunc.fixturenames:
+        metafunc.parametrize("entry", [_param(broken, device) for broken in CATALOGUE])
+    if "catcher" in metafunc.fixturenames:
+        # not the row's bare name: the session report reads ``::test[<row>]`` as a case test
+        params = [
+            pytest.param((case, checks), id=f"catcher-{case.name}", marks=[judges_row(case)])
+            for case, checks in _every_catcher(device)
+        ]
+        metafunc.parametrize("catcher", params)
 
 
 def test_reload_before_d2h_is_caught_alike_on_both_devices() -> None:
@@ -176,12 +179,6 @@ def test_reload_before_d2h_is_caught_alike_on_both_devices() -> None:
 
 
 # ------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(autouse=True)
-def _own_plain_baseline() -> None:
-    """Overrides ``tests/conftest.py``'s: the tests here share this process's plain baseline
-    (see the module docstring); every other test forgets it before and after itself."""
 
 
 def _global_state() -> dict[str, object]:
@@ -234,26 +231,20 @@ def _names_where(text: str) -> list[str]:
     return [what for what, pattern in NAMED if not pattern.search(text)]
 
 
-@pytest.mark.heavy
-@pytest.mark.usefixtures("in_process")
-def test_correct_offloader_passes_every_catcher(settings: Settings) -> None:
-    env = _environment(settings)
-    named: dict[str, tuple[Case, set[str]]] = {}
-    for broken in CATALOGUE:
-        for check, case in _catchers(broken, settings.device):
-            named.setdefault(case.name, (case, set()))[1].add(check)
-    rows = _by_plain_key(list(named.values()), lambda row: sharing_key(row[0], env))
-    problems: list[str] = []
-    for case, checks in rows:
-        judgement = judge(case, env)
-        outcomes = {outcome.name: outcome for outcome in judgement.outcomes}
-        problems += [f"{case.name}: {problem}" for problem in judgement.problems]
-        problems += [
-            f"{case.name}: {name} is {outcomes[name].status} ({outcomes[name].reason}); a "
-            "broken offloader's catcher must pass with the reference"
-            for name in sorted(checks)
-            if outcomes[name].status not in ("pass", "fail")
-        ]
+@pytest.mark.usefixtures("in_process", "shared_runs")
+def test_correct_offloader_passes_every_catcher(
+    catcher: tuple[Case, set[str]], settings: Settings
+) -> None:
+    case, checks = catcher
+    judgement = judge(case, _environment(settings))
+    outcomes = {outcome.name: outcome for outcome in judgement.outcomes}
+    problems = [f"{case.name}: {problem}" for problem in judgement.problems]
+    problems += [
+        f"{case.name}: {name} is {outcomes[name].status} ({outcomes[name].reason}); a "
+        "broken offloader's catcher must pass with the reference"
+        for name in sorted(checks)
+        if outcomes[name].status not in ("pass", "fail")
+    ]
     assert not problems, "\n".join(problems)
 
 
@@ -290,7 +281,7 @@ def _without_diagnosis(problems: tuple[str, ...]) -> str:
     return "\n".join(kept)
 
 
-@pytest.mark.usefixtures("in_process")
+@pytest.mark.usefixtures("in_process", "shared_runs")
 def test_broken_offloader_is_caught(entry: BrokenBackend, settings: Settings) -> None:
     """Every named catcher fires, for its stated reason, with only the named checks judged."""
     env = _environment(settings, _backend(entry, settings.device))

@@ -15,6 +15,9 @@
 * the schedule: the control once per row, before the entries sharing its worker call; the
   rest of the matrix only after the catchers missed; a learnable fault judged on its catchers
   only when undeclared.
+
+The two scores of real runs judge the seed row in this process: they read the runs the seed
+row's case tests and detection tests made on the same worker (``shared_runs``, ``judges_row``).
 """
 
 from __future__ import annotations
@@ -102,7 +105,8 @@ def _drifted_root(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.heavy
+@pytest.mark.judges_row(SEED_CASE)
+@pytest.mark.usefixtures("shared_runs")
 def test_drifted_golden_changes_no_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(golden.ROOT_VARIABLE, str(_drifted_root(tmp_path)))
     threads = torch.get_num_threads()
@@ -388,7 +392,8 @@ def test_worker_calls_group_a_row_with_the_control_first() -> None:
             assert [n for t in mine for n in t.names] == names
 
 
-@pytest.mark.heavy
+@pytest.mark.judges_row(SEED_CASE)
+@pytest.mark.usefixtures("shared_runs")
 def test_a_broken_control_backend_invalidates_a_real_score(monkeypatch: pytest.MonkeyPatch) -> None:
     """No stand-ins: the control's backend is made a broken offloader, which fails the seed
     row's equivalence for real; the noop entry is caught there, and the score is invalid."""

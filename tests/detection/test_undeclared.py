@@ -9,6 +9,9 @@
 * each broken variant of them is caught, by the check that should catch it, for its reason;
 * a declared backend is judged against its declaration as before, and the same backend with its
   declaration hidden (``Environment(undeclared=True)``) is learned to follow the same rule.
+
+Runs judged twice (``EvenStepsOnly`` on the first row) are made once per process, and the plain
+baselines are shared between the rows' tests (``shared_runs``).
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ import re
 
 import pytest
 import torch
+from shared_runs import SharedRuns
 
 from harness.cases import Case
 from harness.execute.environment import Environment
 from harness.execute.learn import learn
-from harness.execute.steps import run_case
 from harness.models.train import schedule_order
 from harness.offload.config import OffloadConfig
 from harness.offload.recorder import GroupObservation, SavedInfo
@@ -135,6 +138,7 @@ def _statuses(judgement) -> dict[str, str]:
     return {o.name: o.status for o in judgement.outcomes}
 
 
+@pytest.mark.usefixtures("shared_runs")
 @pytest.mark.parametrize("style", CORRECT)
 @pytest.mark.parametrize("row", ROWS, ids=lambda c: c.name)
 def test_a_correct_undeclared_offloader_passes(style: str, row: Case) -> None:
@@ -152,6 +156,9 @@ def test_a_correct_undeclared_offloader_passes(style: str, row: Case) -> None:
     assert rule["line"].startswith("observed rule: "), rule
 
 
+EVEN_STEPS_GROUP = pytest.mark.xdist_group("detection-undeclared-EvenStepsOnly")
+"""The tests judging ``EvenStepsOnly`` on the first row: one worker makes its runs once."""
+
 BROKEN = [
     # (variant, the check that must fail, its problem's pattern, checks that must still pass)
     (
@@ -160,11 +167,12 @@ BROKEN = [
         r"^no single rule explains its copies in steps 0 and 1; .*none does; where the closest",
         ("equivalence", "weights"),
     ),
-    (
+    pytest.param(
         "EvenStepsOnly",
         "transfers",
         r"^no single rule explains its copies in steps 0 and 1",
         ("equivalence", "weights"),
+        marks=EVEN_STEPS_GROUP,
     ),
     (
         "MovesMarked",
@@ -181,6 +189,7 @@ BROKEN = [
 ]
 
 
+@pytest.mark.usefixtures("shared_runs")
 @pytest.mark.parametrize(("variant", "check", "pattern", "passing"), BROKEN)
 def test_a_broken_undeclared_offloader_is_caught(
     variant: str, check: str, pattern: str, passing: tuple[str, ...]
@@ -194,6 +203,8 @@ def test_a_broken_undeclared_offloader_is_caught(
     assert all(statuses[c] == "pass" for c in passing), (statuses, judgement.problems)
 
 
+@EVEN_STEPS_GROUP
+@pytest.mark.usefixtures("shared_runs")
 def test_the_closest_rule_names_the_first_occurrence_that_breaks_it() -> None:
     judgement = judge(
         ROWS[0], Environment(device=CPU, backend="undeclared_offloaders:EvenStepsOnly")
@@ -207,10 +218,12 @@ def test_the_closest_rule_names_the_first_occurrence_that_breaks_it() -> None:
     ), problems
 
 
-def test_the_reference_with_its_declaration_hidden_is_learned_to_follow_megatrons_rules() -> None:
+def test_the_reference_with_its_declaration_hidden_is_learned_to_follow_megatrons_rules(
+    shared_runs: SharedRuns,
+) -> None:
     row = Case(family="hybrid", offload=("core_attn", "attn_proj"), schedule="1f1b")
-    declared = run_case(row, Environment(device=CPU))
-    hidden = run_case(row, Environment(device=CPU, undeclared=True))
+    declared = shared_runs.case_run(row, Environment(device=CPU))
+    hidden = shared_runs.case_run(row, Environment(device=CPU, undeclared=True))
     assert declared.rule is None and declared.mismatches() == []
     assert hidden.rule is not None and hidden.rule.exact, hidden.rule
     assert hidden.step_mismatches() == [] and hidden.mismatches() == []
@@ -220,6 +233,7 @@ def test_the_reference_with_its_declaration_hidden_is_learned_to_follow_megatron
     assert "Megatron's warmup and steady-state policies" in hidden.rule.line
 
 
+@pytest.mark.usefixtures("shared_runs")
 def test_with_declarations_hidden_a_broken_reference_is_caught_as_following_no_rule() -> None:
     """``mutation-score --undeclared``: ``broken.fraction_count`` keeps the wrong number of
     groups under the fraction policy. With its declaration hidden no rule of the family (Megatron's
