@@ -103,15 +103,17 @@ def _in_a_child(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_single_rank_group_needs_no_port_and_is_destroyed() -> None:
-    # A child process of its own: this process's group, if any, does not reach it.
-    code = (
+def test_single_rank_group_needs_no_port_and_is_destroyed(tmp_path: Path) -> None:
+    # A child process of its own, outside any torchrun world: this process's group, if any,
+    # does not reach it (``python -m`` of a module written here, forked warm: warm.py).
+    (tmp_path / "single_rank.py").write_text(
         "import torch; from harness.util import distributed as d\n"
         "d.ensure_process_group(torch.device('cpu'))\n"
         "assert d.initialized() and d.world_size() == 1\n"
         "d.shutdown(); assert not d.initialized(); print('ok')\n"
     )
-    done = _in_a_child(code)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_PORT")}
+    done = warm.run([sys.executable, "-m", "single_rank"], cwd=tmp_path, env=env, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import warm
+from child_pytest import CHILD_OPTIONS, pytest_command
 
 from harness.cli import main
 
@@ -110,6 +111,10 @@ def test_several_cases_are_all_selected(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 CASE = "hybrid-+-+-+-_core_attn+attn_proj_sequential_fp32"
+TWO_STEPS = ("--case", CASE, "--steps", "2")
+"""``CASE`` for two steps (the warmup and a steady step): the faults below end or leave their
+thread in the first step, and the row keeps its model, selection and microbatches."""
+CASE_2X2 = f"{CASE}_2x2"
 
 
 @pytest.mark.heavy
@@ -119,14 +124,7 @@ def test_a_thread_the_backend_never_joins_does_not_keep_the_run_alive(backends: 
     ``complete`` and the case names the thread in one note."""
     began = time.perf_counter()
     done = _run(
-        backends,
-        "--case",
-        CASE,
-        "--backend",
-        "offloaders:Prefetch",
-        "--report-dir",
-        "r",
-        timeout=120,
+        backends, *TWO_STEPS, "--backend", "offloaders:Prefetch", "--report-dir", "r", timeout=120
     )
     seconds = time.perf_counter() - began
     summary = _summary(backends / "r")
@@ -137,7 +135,8 @@ def test_a_thread_the_backend_never_joins_does_not_keep_the_run_alive(backends: 
         "left running after the case: thread 'prefetch' (non-daemon), "
         "thread 'prefetch' (non-daemon) (ended with its worker)"
     ]
-    assert f"NOTE {CASE}: left running after the case: thread 'prefetch'" in done.stdout
+    assert case["name"] == CASE_2X2
+    assert f"NOTE {CASE_2X2}: left running after the case: thread 'prefetch'" in done.stdout
     assert "not waiting for thread(s) 'prefetch'" in done.stderr
     assert done.returncode == 0, done.stdout + done.stderr
     assert seconds < 90, seconds
@@ -241,33 +240,38 @@ def test_a_stop_signal_leaves_a_report_and_the_conventional_exit_code(
     assert not alive, f"the forkserver or workers outlived the stopped run: {alive}"
 
 
+def _line(process: Any, timeout: float) -> str:
+    """The next line of a ``warm.start`` process's standard output ('' at its end): forked
+    warm, or a fresh interpreter's pipe where the command needs one (``warm.COLD_VARIABLE``)."""
+    if isinstance(process, warm.WarmProcess):
+        return process.readline(timeout=timeout)
+    return process.stdout.readline()
+
+
 @pytest.mark.heavy
 def test_a_report_folder_removed_mid_run_is_one_line_and_exit_6(backends: Path) -> None:
     """The report folder disappears while a case runs (a cleanup job, a full disk's remedy):
     one line on stderr, no traceback, every verdict and the count still on the console, and
-    the exit code says the report is incomplete."""
-    process = subprocess.Popen(
-        [*RUN, "--jobs", "1", *SMALL, "--report-dir", "r"],
-        cwd=backends,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=warm.confine,
-    )
-    assert process.stdout is not None
+    the exit code says the report is incomplete. The case's offloader waits in its first
+    microbatch until the folder is gone (``offloaders:WaitForGo``): removed mid-case, never
+    after the case already ended."""
+    command = [*RUN, "--jobs", "1", *SMALL, "--backend", "offloaders:WaitForGo"]
+    process = warm.start([*command, "--report-dir", "r"], cwd=backends)
     watchdog = threading.Timer(120, process.kill)
     watchdog.start()
     seen: list[str] = []
     try:
         while not (seen and seen[-1].startswith("running ")):
-            line = process.stdout.readline()
+            line = _line(process, timeout=120)
             assert line, "the run ended before its cases started:\n" + "".join(seen)
             seen.append(line)
         (folder,) = (backends / "r").iterdir()
         shutil.rmtree(folder)
+        (backends / "go").touch()
         rest, err = process.communicate(timeout=120)
     finally:
         watchdog.cancel()
+        process.kill()
     out = "".join(seen) + rest
     assert process.returncode == 6, out + err
     assert "Traceback" not in out + err
@@ -313,6 +317,8 @@ WHERE = {
 
 
 def _judged(backend: str) -> dict[str, Any]:
+    """``CASE``'s judgement under ``offloaders:<backend>``, in this process, trained for two
+    steps (the warmup and a steady step: every fault here is raised by step 1)."""
     import torch
 
     from harness.cases import find_case
@@ -320,7 +326,7 @@ def _judged(backend: str) -> dict[str, Any]:
     from harness.verify.judge import judge
 
     env = Environment(device=torch.device("cpu"), backend=f"offloaders:{backend}")
-    return judge(find_case(CASE), env).record()
+    return judge(find_case(CASE).replace(steps=2), env).record()
 
 
 @pytest.mark.parametrize("backend", WHERE)
@@ -382,12 +388,12 @@ def test_the_global_state_guard_names_and_restores_every_setting() -> None:
 
 @pytest.mark.heavy
 def test_a_dead_workers_verdict_names_its_signal_and_last_position(backends: Path) -> None:
-    done = _run(backends, "--case", CASE, "--backend", "offloaders:Segfault", "--report-dir", "r")
+    done = _run(backends, *TWO_STEPS, "--backend", "offloaders:Segfault", "--report-dir", "r")
     assert done.returncode == 1, done.stdout + done.stderr
     (case,) = _summary(backends / "r")["cases"]
     assert case["problems"] == [
         "error: worker process died twice while running the case: killed by signal SIGSEGV; "
-        f"last position reported: case {CASE}, step 0, microbatch 1, phase forward "
+        f"last position reported: case {CASE_2X2}, step 0, microbatch 1, phase forward "
         "(begin_microbatch)"
     ]
 
@@ -408,7 +414,8 @@ def test_ok(pytestconfig):
     folder.write_text("a file is in the way")
 """
     )
-    result = pytester.runpytest("-p", "harness.plugin", "--device", "cpu", "--report-dir", "r")
+    plugins = ("-p", "harness.plugin", *CHILD_OPTIONS)  # as child sessions start (no Hypothesis)
+    result = pytester.runpytest(*plugins, "--device", "cpu", "--report-dir", "r")
     lines = [*result.outlines, *result.errlines]
     assert not any("INTERNALERROR" in line for line in lines), lines
     incomplete = [line for line in lines if "report incomplete" in line]
@@ -435,18 +442,10 @@ def test_a_stop_signal_ends_a_pytest_session_with_a_report(
 ) -> None:
     """Under pytest (the plugin) SIGTERM and SIGHUP end the session as Ctrl-C does: a summary
     marked ``terminated``, the conventional exit code, within 3 s, no INTERNALERROR."""
-    from child_pytest import pytest_command
-
     (backends / "test_sleeper.py").write_text(SLEEPER)
     argv = pytest_command("-p", "harness.plugin", "test_sleeper.py", "--device", "cpu")
-    process = subprocess.Popen(
-        [*argv, "--report-dir", "r", "-p", "no:xdist"],
-        cwd=backends,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=warm.confine,
-    )
+    command = [*argv, "--report-dir", "r", "-p", "no:xdist"]
+    process = warm.start(command, cwd=backends, merge_stderr=True)
     deadline = time.monotonic() + 120
     while not (backends / "started").exists() and time.monotonic() < deadline:
         assert process.poll() is None, process.communicate()[0]
@@ -473,18 +472,9 @@ def _child_pytest(
     folder: Path, args: list[str], timeout: float = 240
 ) -> subprocess.CompletedProcess[str]:
     """``pytest -p harness.plugin <args> --device cpu`` in ``folder``, in one process (no xdist,
-    no report folder), on this worker's share of the cores."""
-    from child_pytest import pytest_command
-
+    no report folder), on this worker's share of the cores (forked warm: ``warm.run``)."""
     argv = pytest_command("-p", "harness.plugin", *args, "--device", "cpu")
-    return subprocess.run(
-        [*argv, "--report-dir", "", "-p", "no:xdist"],
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        preexec_fn=warm.confine,
-    )
+    return warm.run([*argv, "--report-dir", "", "-p", "no:xdist"], cwd=folder, timeout=timeout)
 
 
 @pytest.mark.heavy

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from child_pytest import CHILD_OPTIONS
 
 from harness import cli
 from harness.cases import Case
@@ -183,7 +184,9 @@ def _nested_pytest(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *
     _write_modules(pytester.path)
     pytester.syspathinsert()  # in-process: sys.path and sys.modules are restored afterwards
     pytester.makepyfile("def test_nothing():\n    pass\n")
-    return pytester.runpytest("-p", "harness.plugin", "--device", "cpu", *args)
+    # as a child session starts (``child_pytest.CHILD_OPTIONS``): without Hypothesis's plugin,
+    # which imported all of Hypothesis again in each in-process session's summary
+    return pytester.runpytest("-p", "harness.plugin", *CHILD_OPTIONS, "--device", "cpu", *args)
 
 
 def _assert_usage_error(result: Any, message: str) -> None:

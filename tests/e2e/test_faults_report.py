@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from child_pytest import CHILD_OPTIONS
 
 import harness.reporting.report as report
 from harness.cases import Case, default_matrix
@@ -39,7 +40,10 @@ from harness.verify.commands import table_row
 
 pytest_plugins = ["pytester"]
 
-PLUGINS = ("-p", "harness.plugin")
+# In-process sessions start as the child sessions do (``child_pytest.CHILD_OPTIONS``):
+# without Hypothesis's plugin, which pytester's restored sys.modules made import (and
+# assert-rewrite) all of Hypothesis again in every session's terminal summary (~1 s).
+PLUGINS = ("-p", "harness.plugin", *CHILD_OPTIONS)
 CLAIMS = 8
 
 

@@ -91,11 +91,17 @@ def test_plain_key_depends_on_the_run_not_on_the_offload_selection() -> None:
     assert plain_key(first, Environment(device=CPU, backend="hooks")) == plain_key(first, env)
 
 
+def _two_step_rows() -> tuple:
+    """``_rows``' first two rows trained for two steps (the warmup and a steady step), so that
+    "the first iteration only" and "every step" still differ: they share their plain key."""
+    return tuple(row.replace(steps=2) for row in _rows()[:2])
+
+
 def test_rows_sharing_a_key_share_one_plain_run_and_judge_alike() -> None:
     """The second row reuses the first's plain run (named in its record) and gets the verdict
     a fresh plain run gives it; a passing row's hooks baseline ran its first iteration only."""
     env = Environment(device=CPU)
-    first, second = _rows()[:2]
+    first, second = _two_step_rows()
     a = run_case(first, env)
     b = run_case(second, env)
     for res in (a, b):  # the offload happened in both, before their equality is trusted
@@ -103,7 +109,7 @@ def test_rows_sharing_a_key_share_one_plain_run_and_judge_alike() -> None:
     assert (a.plain_made_by, b.plain_made_by) == (first.name, first.name)
     assert a.plain_key == b.plain_key
     assert torch.equal(a.plain.losses, b.plain.losses)
-    assert b.verdict.ok and b.hooks.losses.shape[0] == 1
+    assert b.verdict.ok and b.hooks.losses.shape[0] == 1 < b.plain.losses.shape[0]
     assert plain_baseline(second, env).made_by == first.name
     from harness.execute.baselines import forget_plain_baselines
 
@@ -117,10 +123,10 @@ def test_rows_sharing_a_key_share_one_plain_run_and_judge_alike() -> None:
 def test_a_mismatch_gets_every_step_of_the_hooks_baseline() -> None:
     """The classification (graph change or transport) compares the hooks baseline in every
     step, so a row whose offload losses differ trains it in full."""
-    row = _rows()[0]
+    row = _two_step_rows()[0]
     res = run_case(row, Environment(device=CPU, backend="broken.corrupt_reload"))
     assert not res.verdict.ok and res.verdict.kind == "transport"
-    assert res.hooks.losses.shape == res.plain.losses.shape
+    assert res.hooks.losses.shape == res.plain.losses.shape == (2, row.microbatches)
 
 
 def _collected_after_freeze() -> tuple[int, bool]:
@@ -163,4 +169,4 @@ def test_stopping_the_forkserver_kills_it_and_a_later_pool_starts_another() -> N
     with worker_pool(1) as pool:
         second = pool.submit(os.getppid).result()
     assert second != first
-    forkserver.stop()
+    # the new server stays, for the next pool (stopping it would cost the next one a start)

@@ -11,6 +11,7 @@ from typing import Any
 from xml.etree import ElementTree
 
 import pytest
+from child_pytest import CHILD_OPTIONS
 
 from harness.cases import default_matrix
 from harness.reporting.html import render_index
@@ -21,7 +22,10 @@ pytest_plugins = ["pytester"]
 
 pytestmark = pytest.mark.usefixtures("plots_on")  # the suite's reports skip them elsewhere
 
-PLUGINS = ("-p", "harness.plugin")
+# In-process sessions start as the child sessions do (``child_pytest.CHILD_OPTIONS``):
+# without Hypothesis's plugin, which pytester's restored sys.modules made import (and
+# assert-rewrite) all of Hypothesis again in every session's terminal summary (~1 s).
+PLUGINS = ("-p", "harness.plugin", *CHILD_OPTIONS)
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -41,14 +41,9 @@ def test_other(n):
 
 
 def _pytest(folder: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        pytest_command(*args),
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    """``python -m pytest <args>`` in ``folder``, forked warm (``warm.run``); its xdist workers
+    are interpreters of their own, as ever."""
+    return warm.run(pytest_command(*args), cwd=folder, timeout=timeout)
 
 
 def test_child_sessions_name_hypothesis_plugin_as_installed() -> None:
