@@ -57,7 +57,7 @@ FIGURES = {
     for f in (
         Figure(
             "suite",
-            (sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider"),
+            (),  # read from README.md (readme_pytest)
             120.0,
             "the README's test command's pytest",
         ),
@@ -126,9 +126,20 @@ def _env(checkout: Path, report_dir: Path) -> dict[str, str]:
     return env
 
 
-def _command(figure: Figure, report_dir: Path) -> list[str]:
-    extra = ["--report-dir", str(report_dir)]
-    return [*figure.command, *extra]
+def readme_pytest(checkout: Path) -> list[str]:
+    """The pytest part of the README's test command in ``checkout`` (the line after the
+    ``test-command`` marker, after its install step), as ``.ci/run`` reads it."""
+    lines = (checkout / "README.md").read_text().splitlines()
+    marker = next(i for i, line in enumerate(lines) if "<!-- test-command -->" in line)
+    command = lines[marker + 2].split("&&")[-1].split()
+    if command[:3] != ["python3", "-m", "pytest"]:
+        raise ValueError(f"README's test command is not a pytest command: {lines[marker + 2]!r}")
+    return [sys.executable, *command[1:], "-q", "-p", "no:cacheprovider"]
+
+
+def _command(figure: Figure, report_dir: Path, checkout: Path = REPO) -> list[str]:
+    base = readme_pytest(checkout) if figure.name == "suite" else list(figure.command)
+    return [*base, "--report-dir", str(report_dir)]
 
 
 def judge(name: str, seconds: float, rc: int, scale: float) -> str:
@@ -209,7 +220,7 @@ def pairs_main(args: argparse.Namespace) -> int:
                 for side, checkout in sides.items():
                     report_dir = tmp / f"{name}-{side}-{i}"
                     took, rc = timed(
-                        _command(figure, report_dir),
+                        _command(figure, report_dir, checkout),
                         checkout,
                         _env(checkout, report_dir),
                         tmp / f"{name}-{side}-{i}.log",

@@ -50,3 +50,14 @@ def test_given_needs_a_known_figure_and_seconds() -> None:
         timebudget._given("lint=3")
     with pytest.raises(SystemExit, match="seconds must be a number"):
         timebudget._given("run=fast")
+
+
+def test_the_suite_figure_is_the_readmes_pytest_command(tmp_path) -> None:
+    (tmp_path / "README.md").write_text(
+        "# x\n<!-- test-command -->\n```\npip install -e . && python3 -m pytest -n 3\n```\n"
+    )
+    command = timebudget.readme_pytest(tmp_path)
+    assert command[1:] == ["-m", "pytest", "-n", "3", "-q", "-p", "no:cacheprovider"]
+    (tmp_path / "README.md").write_text("<!-- test-command -->\n```\nmake test\n```\n")
+    with pytest.raises(ValueError, match="not a pytest command"):
+        timebudget.readme_pytest(tmp_path)
