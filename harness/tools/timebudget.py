@@ -119,10 +119,11 @@ def timed(command: Sequence[str], cwd: Path, env: dict[str, str], log: Path) -> 
     return time.perf_counter() - start, rc
 
 
-def _env(checkout: Path, report_dir: Path) -> dict[str, str]:
+def _env(checkout: Path) -> dict[str, str]:
+    """The checkout's code first on the path; everything else as the user has it (``run``
+    renders its plots, as it does for a user)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(checkout), str(checkout / "tests" / "helpers")])
-    env["OFFLOAD_HARNESS_PLOTS"] = "0"
     return env
 
 
@@ -171,7 +172,7 @@ def budget_main(args: argparse.Namespace) -> int:
             continue
         report_dir = logs / f"{name}-reports"
         seconds, rc = timed(
-            _command(FIGURES[name], report_dir), REPO, _env(REPO, report_dir), logs / f"{name}.log"
+            _command(FIGURES[name], report_dir), REPO, _env(REPO), logs / f"{name}.log"
         )
         print(judge(name, seconds, rc, scale), flush=True)
     print(f"logs: {logs}")
@@ -222,7 +223,7 @@ def pairs_main(args: argparse.Namespace) -> int:
                     took, rc = timed(
                         _command(figure, report_dir, checkout),
                         checkout,
-                        _env(checkout, report_dir),
+                        _env(checkout),
                         tmp / f"{name}-{side}-{i}.log",
                     )
                     seconds[side].append(took)
