@@ -1,8 +1,8 @@
 """The detection tests' shared runs (``tests/helpers/shared_runs.py``) hand a test the runs of an
 earlier judgement only where everything that decides them is the same, never runs that raised,
 and are gone outside the tests that ask for them. Nothing here trains: ``CaseRuns`` makes its
-runs on first use. And the session's process has frozen what it imported
-(``harness.plugin.workers.freeze_collected``), which every observed step's collection would
+runs on first use. And the session's process has frozen what it imported (the plugin calls
+``harness.run.parallel.freeze_imported``), which every observed step's collection would
 otherwise walk, while what a test makes is still collected."""
 
 from __future__ import annotations
