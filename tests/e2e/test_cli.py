@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import warm
+from cli_lines import one_error_line
 
 from harness.cases import default_matrix, full_matrix
 from harness.cli import main
@@ -90,20 +91,12 @@ BAD_INPUT = {
 }
 
 
-def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err
-    lines = err.splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got {err!r}"
-    assert lines[0].startswith("offload-harness: error:"), lines[0]
-    return lines[0]
-
-
 @pytest.mark.parametrize("argv", BAD_INPUT.values(), ids=BAD_INPUT.keys())
 def test_bad_input_is_one_line_and_exit_2(
     argv: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     code = main([*argv, "--report-dir", str(tmp_path)] if argv[:1] == ["run"] else argv)
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert code == 2, line
     assert not list(tmp_path.iterdir()), "a rejected run must not write a report"
 
@@ -126,13 +119,13 @@ def test_error_line_names_the_problem(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(argv) == 2
-    assert needle in _one_error_line(capsys)
+    assert needle in one_error_line(capsys)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is visible: --device cuda is valid")
 def test_device_cuda_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--device", "cuda", "--pattern", "+-", "--offload", "core_attn"]) == 2
-    assert "cuda" in _one_error_line(capsys)
+    assert "cuda" in one_error_line(capsys)
 
 
 # ----------------------------------------------------------------------------------- listings

@@ -11,19 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from cli_lines import one_error_line
 
 from harness.cases import default_matrix
 from harness.cli import main
 from harness.offload import backends
-
-
-def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err
-    lines = err.splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got {err!r}"
-    assert lines[0].startswith("offload-harness: error:"), lines[0]
-    return lines[0]
-
 
 # ------------------------------------------------------------------ --jobs, also on one GPU
 
@@ -157,7 +149,7 @@ def test_run_on_cuda_takes_jobs_without_initialising_cuda(
 def test_jobs_zero_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     _fake_cuda(monkeypatch)
     assert main(["run", "--device", "cuda", "--jobs", "0"]) == 2
-    assert "--jobs must be an int >= 1; got '0'" in _one_error_line(capsys)
+    assert "--jobs must be an int >= 1; got '0'" in one_error_line(capsys)
 
 
 def test_cuda_workers_are_spawned_on_the_parents_device(monkeypatch: pytest.MonkeyPatch) -> None:
