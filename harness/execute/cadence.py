@@ -32,6 +32,7 @@ rule has in flight there.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -300,6 +301,18 @@ def _problem(
     )
 
 
+def rule_peak(
+    events: Sequence[Event], allowed: Mapping[GroupKey, int | None], sizes: Mapping[GroupKey, int]
+) -> int:
+    """The most bytes a rule has reloaded ahead of their backward at once anywhere in the step
+    (every reload issued as early as ``allowed`` lets it)."""
+    starts = _first(events, START)
+    return max(
+        (sum(_in_flight(allowed, starts, sizes, i).values()) for i in range(len(events))),
+        default=0,
+    )
+
+
 def _at(running: Event | None, name_pass: Namer) -> str:
     """Where in backward an event falls: the pass, and the group whose backward runs or just
     ended."""
@@ -335,6 +348,26 @@ class Cadence:
     steps: tuple[StepCadence, ...]
     marks: int
     """Backward marks seen over the run (0: the harness could not order the backward)."""
+    megatron_bytes: tuple[int, ...] = ()
+    """For a prefetch depth learned from an undeclared offloader: per step, the most bytes
+    Megatron-Core's rule has reloaded ahead of their backward at once anywhere in the step
+    (``rule_peak``; empty otherwise): what the learned cadence costs against Megatron's."""
+
+    def cost_note(self) -> str:
+        """Where a learned prefetch depth reloads more ahead than Megatron-Core's rule would:
+        how much more, at the backward's worst point (empty: not more, or not learned)."""
+        if not self.megatron_bytes:
+            return ""
+        top = max(self.steps, key=lambda s: s.ahead_bytes, default=None)
+        megatron = max(self.megatron_bytes)
+        if top is None or top.ahead_bytes <= megatron:
+            return ""
+        return (
+            f"note: its learned cadence reloads up to {top.ahead_bytes} B ahead of their "
+            f"backward at once (step {top.step}, {top.where}); Megatron-Core's rule has at most "
+            f"{megatron} B ahead at any point of a step: {top.ahead_bytes - megatron} B more "
+            "device memory held early"
+        )
 
     def problems(self, limit: int = 3) -> list[str]:
         """The first problem of each step that has one, the first ``limit`` steps."""
@@ -365,6 +398,8 @@ class Cadence:
             "ahead_groups": [s.ahead_groups for s in self.steps],
             "ahead_bytes": [s.ahead_bytes for s in self.steps],
             "allowed_bytes": [s.allowed_bytes for s in self.steps],
+            "megatron_bytes": list(self.megatron_bytes),
+            "cost_note": self.cost_note(),
         }
 
 
@@ -412,6 +447,10 @@ def run_cadence(
     rule = rule_label(semantics)
     judged = []
     marks = 0
+    # a learned depth: what Megatron-Core's rule would have ahead at the same points
+    learned = semantics.observed and semantics.prefetch_depth is not None
+    megatron = dataclasses.replace(semantics, prefetch_depth=None)
+    theirs: list[int] = []
     for step, observed in enumerate(steps):
         events = step_events(observed, names)
         marks += len(observed.marks)
@@ -423,4 +462,6 @@ def run_cadence(
         sizes = {k: e.bytes for k, e in predicted.items() if e.offloaded}
         allowed = allowed_for(events, passes, order, semantics)
         judged.append(judge_step(step, events, allowed, sizes, rule, name_pass))
-    return Cadence(rule=rule, steps=tuple(judged), marks=marks)
+        if learned:
+            theirs.append(rule_peak(events, allowed_for(events, passes, order, megatron), sizes))
+    return Cadence(rule=rule, steps=tuple(judged), marks=marks, megatron_bytes=tuple(theirs))

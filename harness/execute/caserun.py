@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.cases import Case
-from harness.execute.attribution import Attribution, group_differences, log_by_group
+from harness.execute.attribution import _ZERO, Attribution, group_differences, log_by_group
 from harness.execute.cadence import Cadence
+from harness.execute.consistency import OwnRule, Sizes, size_difference
 from harness.execute.learn import ObservedRule, expected_fields
-from harness.execute.predict import Expected
+from harness.execute.predict import Expected, copy_sizes_of
 from harness.measure.observe import Copy
 from harness.measure.syncguard import GuardedRun
 from harness.measure.transfers import TransferCounts
@@ -17,6 +18,7 @@ from harness.models.runs import TrainResult
 from harness.offload.recorder import GroupObservation
 from harness.offload.semantics import MEGATRON_MAIN, GroupKey, Semantics
 from harness.util.compare import Verdict
+from harness.vocab.spec import pass_label
 
 
 @dataclass(kw_only=True)
@@ -35,6 +37,9 @@ class CaseRun:
     warmup_transfers: TransferCounts
     """Profiler counts of the warmup step (step 0)."""
     proof_problems: list[str]
+    steady_proof: list[str] = field(default_factory=list)
+    """For an undeclared offloader held to its own tables: steps after the warmup in which a
+    selected name moved nothing (``harness.execute.consistency.steady_proof``)."""
     observations: list[GroupObservation]
     """What each group saved (one iteration of the hooks baseline)."""
     expected: dict[GroupKey, Expected]
@@ -102,6 +107,15 @@ class CaseRun:
     inert: str = ""
     """Why the configuration moves nothing by design (``harness.execute.predict.inert_reason``;
     empty: it moves something): the case then proves that nothing moved instead of the offload."""
+    copy_sizes: tuple[Sizes, ...] = ()
+    """Per step of the offload run: the bytes of each copy the observer attributed, per group
+    occurrence and direction (``harness.execute.consistency.copy_sizes``), which names the
+    tensor behind a difference."""
+    relaid: tuple[int, ...] = ()
+    """Per step: reloads whose strides differed from the saved tensor's."""
+    stale_marks: tuple[tuple[GroupKey, int, int, int], ...] = ()
+    """(group, bytes, step marked, step) of every saved tensor the offloader kept on the device
+    at an address whose marked storage was gone (``Observed.stale_marks``)."""
     cadence: Cadence | None = None
     """Every step's reloads ordered against the group backwards around them
     (``harness.execute.cadence``)."""
@@ -147,10 +161,13 @@ class CaseRun:
     def _against(
         self, expected: dict[GroupKey, Expected], counts: TransferCounts, step: int
     ) -> list[str]:
+        own = self.rule.own if self.rule is not None else None
+        if own is not None:  # held to its own learning steps, not to a rule's prediction
+            return self._against_own(own, counts, step)
         whys = {k: e.why for k, e in expected.items() if e.why}
         device_type = "cuda" if counts.mode == "device" else "cpu"
         predicted = expected_fields(expected, self.semantics, device_type)
-        return group_differences(
+        lines = group_differences(
             predicted,
             counts.by_group(),
             "predicted",
@@ -159,6 +176,80 @@ class CaseRun:
             f"step {step}",
             self.case.schedule,
         )
+        if self.rule is None or not lines:
+            return lines
+        # an undeclared offloader: name the tensors behind each difference by their sizes
+        measured = counts.by_group()
+        sizes = self.copy_sizes[step] if step < len(self.copy_sizes) else {}
+        back = self.semantics.reloads_on(device_type)
+        named = []
+        for key in sorted({*predicted, *measured}):
+            if predicted.get(key, _ZERO) == measured.get(key, _ZERO):
+                continue
+            obs = next(
+                (o for o in self.observations if (o.microbatch, o.layer, o.name) == key), None
+            )
+            moved = expected.get(key)
+            one = (
+                copy_sizes_of(obs, self.case.offload_config(), self.semantics)
+                if obs is not None and moved is not None and moved.copies
+                else ()
+            )
+            want = {"d2h": one, "h2d": one if back else ()}
+            named.append(size_difference(key, sizes.get(key, {}), want, self.observations))
+        return [line + extra for line, extra in zip(lines, named, strict=True)]
+
+    def _against_own(self, own: OwnRule, counts: TransferCounts, step: int) -> list[str]:
+        """``step``'s counts per group occurrence against the learning step it is held to, each
+        difference with the copies, by size, that one has and the other has not."""
+        table, measured = own.table(step), counts.by_group()
+        sizes = self.copy_sizes[step] if step < len(self.copy_sizes) else {}
+        reference = own.sizes[min(step, 1)]
+        lines = []
+        for key in sorted({*table, *measured}):
+            held, seen = table.get(key, _ZERO), measured.get(key, _ZERO)
+            if held == seen:
+                continue
+            mb, layer, name = key
+            lines.append(
+                f"step {step}, {pass_label(mb, self.case.schedule)}, layer {layer}, group {name}: "
+                f"held to {held} measured {seen} - {own.why(step)}"
+                + size_difference(
+                    key, sizes.get(key, {}), reference.get(key, {}), self.observations
+                )
+            )
+        return lines
+
+    def stale_mark_lines(self, limit: int = 3) -> list[str]:
+        """Why copies went missing where the offloader skipped tensors by stale marks."""
+        lines = []
+        for key, nbytes, marked, step in self.stale_marks[:limit]:
+            mb, layer, name = key
+            lines.append(
+                f"step {step}, {pass_label(mb, self.case.schedule)}, layer {layer}, group "
+                f"{name}: a saved tensor of {nbytes} B was skipped at an address that held a "
+                f"storage marked not-offloadable in step {marked} and freed by step {step}; "
+                "marks kept by address go stale when storage is reused"
+            )
+        more = len(self.stale_marks) - limit
+        return lines + ([f"... and {more} more such skips"] if more > 0 else [])
+
+    def relaid_inconsistencies(self) -> list[str]:
+        """An undeclared offloader's reload layout is learned from its learning steps: a later
+        step whose reloads come back with other strides when those kept the saved ones (or the
+        other way round) is inconsistent."""
+        if self.rule is None or len(self.relaid) <= len(self.rule.steps):
+            return []
+        learned = any(self.relaid[s] for s in self.rule.steps)
+        return [
+            f"step {step}: {n} reloads came back with other strides than the saved tensor's; "
+            f"steps {' and '.join(map(str, self.rule.steps))} kept the saved strides"
+            if not learned
+            else f"step {step}: every reload kept the saved strides; its learning steps' came "
+            "back contiguous"
+            for step, n in enumerate(self.relaid)
+            if step >= len(self.rule.steps) and bool(n) != learned
+        ][:3]
 
     def step_log_mismatches(self) -> list[str]:
         """Every step but the final one: the offloader's log of that iteration against the

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.cases import Case
+from harness.measure.threads import watch_threads
 from harness.offload.backends import Backend, backend_record
 from harness.offload.config import OffloadConfig
 from harness.offload.protocol import Offloader
@@ -44,6 +45,7 @@ class Environment:
     def offloader(self, config: OffloadConfig) -> Offloader:
         """The backend, built under ``harness.util.globalstate``'s guard: a change it makes to
         process-global torch state is a ``GlobalStateChanged``, and undone."""
+        watch_threads()  # before the backend starts a thread of its own
         with globalstate.guarded("when built"):
             return self.record.build(config, self.device)
 

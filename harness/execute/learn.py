@@ -57,6 +57,14 @@ from dataclasses import dataclass
 
 from harness.execute.attribution import COUNTER_FIELDS
 from harness.execute.cadence import measured_depth, step_events
+from harness.execute.consistency import (
+    OwnRule,
+    copy_sizes,
+    describe_own,
+    layer_words,
+    learning_inconsistencies,
+    own_rule,
+)
 from harness.execute.predict import Expected, group_copies, kept_decisions
 from harness.measure.copyobserver import Observed
 from harness.offload.config import OffloadConfig
@@ -85,10 +93,28 @@ class ObservedRule:
     """The steps it was learned from."""
     misfits: int = 0
     """Group occurrences of the learning steps the closest rule gets wrong (0 when exact)."""
+    own: OwnRule | None = None
+    """Where no rule fits: what the offloader copied in its learning steps, the tables every
+    later step is held to (``harness.execute.consistency``); ``line`` then describes them and
+    ``closest`` names the closest rule of the family."""
+    closest: str = ""
+    """``no single rule explains ...; the closest, ..., misses N group occurrence(s)``."""
+    inconsistent: tuple[str, ...] = ()
+    """With ``own``: what breaks consistency inside the learning steps
+    (``harness.execute.consistency.learning_inconsistencies``)."""
 
     def record(self) -> dict[str, object]:
         """The report's ``rule`` field."""
-        return {"source": "observed", "line": self.line, "exact": self.exact, "steps": self.steps}
+        out: dict[str, object] = {
+            "source": "observed",
+            "line": self.line,
+            "exact": self.exact,
+            "steps": self.steps,
+        }
+        if self.own is not None:
+            out["held_to"] = "its own first steady step"
+            out["closest"] = self.closest
+        return out
 
 
 def expected_fields(
@@ -128,6 +154,13 @@ def learn(
         for misses, rule in _scored(observations, config, order, measured, device_type)
     ]
     exact = [rule for misses, rule in scored if misses == 0]
+    if exact:  # a byte threshold or one batched copy only where the plainer rule does not fit
+        first = exact[0]
+        exact = [
+            r
+            for r in exact
+            if (r.threshold_unit, r.batched) == (first.threshold_unit, first.batched)
+        ]
     steps = LEARNING_STEPS[: len(measured)]
     if exact:
         return ObservedRule(
@@ -158,14 +191,27 @@ def learn_from_steps(
     order: Sequence[tuple[str, int]],
     steps: Sequence[Observed],
     device_type: str,
+    schedule: str = "sequential",
 ) -> ObservedRule:
     """``learn`` from an offload run's observed steps (the model's own copies removed, step 0
-    first): the learning steps' copies by the harness's windows, and whether any reload of any
-    step came back with other strides than the saved tensor's."""
+    first): the learning steps' copies by the harness's windows, and whether any reload of
+    them came back with other strides than the saved tensor's. Where no rule of the family
+    fits, the offloader is held to its own learning steps (``ObservedRule.own``)."""
     mode = "device" if device_type == "cuda" else "cpu"
     learning = [steps[s].counts(mode).by_group() for s in LEARNING_STEPS if s < len(steps)]
-    relaid = any(o.relaid for o in steps)
+    # the layout is learned like the rest, from the learning steps only: a later step whose
+    # reloads change strides is an inconsistency (``relaid_inconsistencies``), not the rule
+    relaid = any(steps[s].relaid for s in LEARNING_STEPS if s < len(steps))
     rule = learn(observations, config, order, learning, device_type, relaid)
+    if not rule.exact:
+        own = own_rule(learning, [copy_sizes(steps[s]) for s in LEARNING_STEPS if s < len(steps)])
+        rule = dataclasses.replace(
+            rule,
+            own=own,
+            closest=rule.line,
+            line=describe_own(own, observations, config.offload_modules, device_type),
+            inconsistent=tuple(learning_inconsistencies(own, observations, schedule, device_type)),
+        )
     depth = max(
         (
             measured_depth(step_events(steps[s], config.selected))
@@ -211,15 +257,16 @@ def _scored(
         {k: tuple(v[f] for f in COUNTER_FIELDS) for k, v in counts.items() if any(v.values())}
         for counts in measured
     ]
+    batched = bool(seen) and all(f[0] == 1 for counts in seen for f in counts.values() if f[0])
     decided: dict[tuple[object, ...], tuple[dict[GroupKey, str], dict[GroupKey, str]]] = {}
-    for tensor_rule in _tensor_rules(observations):
+    for tensor_rule in _tensor_rules(observations, batched):
         moved = {
             k: group_copies(o, config, tensor_rule) for k, o in zip(keys, observations, strict=True)
         }
         sizes = {k: b for k, (_, b) in moved.items()}
-        for policy, last in POLICIES:
-            rule = dataclasses.replace(tensor_rule, policies=policy, keep_last=last)
-            memo = (policy, last, tuple(sizes.values()))
+        for policy, last, layers in _policies(keys, seen):
+            rule = dataclasses.replace(tensor_rule, policies=policy, keep_last=last, layers=layers)
+            memo = (policy, last, layers, tuple(sizes.values()))
             if memo not in decided:
                 decided[memo] = kept_decisions(keys, sizes, config, order, rule)
             first, then = decided[memo]
@@ -244,23 +291,49 @@ every step, Megatron's warmup and steady-state policies, all but the last one or
 pass."""
 
 
-def _tensor_rules(observations: Sequence[GroupObservation]) -> Iterator[Semantics]:
+def _policies(
+    keys: Sequence[GroupKey], seen: Sequence[Mapping[GroupKey, Fields]]
+) -> Iterator[tuple[str, int, frozenset[int] | None]]:
+    """``POLICIES``, then a layer subset: only the layers that moved anything in the learning
+    steps, where that is some of the selected groups' layers but not all (TransformerEngine's
+    ``num_layers``)."""
+    for policy, last in POLICIES:
+        yield policy, last, None
+    every = {layer for _, layer, _ in keys}
+    moved = frozenset(k[1] for counts in seen for k, f in counts.items() if f[0])
+    if moved and moved < every:
+        yield "every", 0, moved
+
+
+def _tensor_rules(observations: Sequence[GroupObservation], batched: bool) -> Iterator[Semantics]:
     """Every choice of which saved tensors move and how, most expected first: the preference
-    decides between rules that predict the learning steps alike."""
-    sizes = sorted({s.numel for o in observations for s in o.saved if s.on_device and s.numel})
-    thresholds: list[int | None] = [None, 0, *(n for n in sizes if n > 1)]  # None: the config's
-    for skip, threshold, view in itertools.product(
-        ("storage", "object", "none"), thresholds, ("gather", "coverage", "base")
-    ):
-        yield Semantics(
-            view_copy=view,
-            skip=skip,
-            policies="every",
-            size_threshold=threshold != 0,
-            min_size=threshold,
-            observed=True,
-            label=OBSERVED_LABEL,
-        )
+    decides between rules that predict the learning steps alike. A threshold counts elements,
+    or bytes where the saved tensors have more than one element size (else the two are one
+    rule); ``batched``: every occurrence that moved made one copy, so one copy per group
+    occurrence is a candidate too."""
+    on_device = [s for o in observations for s in o.saved if s.on_device and s.numel]
+    units: list[tuple[str, list[int | None]]] = []
+    elements = sorted({s.numel for s in on_device})
+    units.append(("elements", [None, 0, *(n for n in elements if n > 1)]))  # None: the config's
+    if len({s.itemsize for s in on_device}) > 1:
+        nbytes = sorted({s.numel * s.itemsize for s in on_device})
+        units.append(("bytes", [n for n in nbytes if n > 1]))
+    batches = (False, True) if batched else (False,)
+    for batch, (unit, thresholds) in itertools.product(batches, units):
+        for skip, threshold, view in itertools.product(
+            ("storage", "object", "none"), thresholds, ("gather", "coverage", "base")
+        ):
+            yield Semantics(
+                view_copy=view,
+                skip=skip,
+                policies="every",
+                size_threshold=threshold != 0,
+                min_size=threshold,
+                threshold_unit=unit,
+                batched=batch,
+                observed=True,
+                label=OBSERVED_LABEL,
+            )
 
 
 def describe(rules: Sequence[Semantics], device_type: str, config: OffloadConfig) -> str:
@@ -283,7 +356,11 @@ def describe(rules: Sequence[Semantics], device_type: str, config: OffloadConfig
                 "none": ("moves every saved tensor, weights included", "nothing"),
             },
         ),
-        _threshold_words({r.threshold(config) for r in rules}, config.min_offloaded_tensor_size),
+        _threshold_words(
+            {r.threshold(config) for r in rules},
+            config.min_offloaded_tensor_size,
+            rules[0].threshold_unit,
+        ),
         one(
             "view_copy",
             "view copy",
@@ -310,26 +387,35 @@ def describe(rules: Sequence[Semantics], device_type: str, config: OffloadConfig
         if rules[0].reload_layout == "saved"
         else "reloads come back contiguous (judged against the layout baseline)"
     )
-    policies = list(dict.fromkeys((r.policies, r.keep_last) for r in rules))
+    if rules[0].batched:
+        parts.append("one copy per group occurrence each way")
+    policies = list(dict.fromkeys((r.policies, r.keep_last, r.layers) for r in rules))
     words = {
-        ("every", 0): "every selected occurrence every step",
-        ("megatron", 0): "Megatron's warmup and steady-state policies",
+        ("every", 0, None): "every selected occurrence every step",
+        ("megatron", 0, None): "Megatron's warmup and steady-state policies",
     }
     named = [
-        words.get(p, f"the last {p[1]} selected occurrence(s) of each pass stay") for p in policies
+        words.get(p)
+        or (
+            f"only layers {layer_words(p[2])} offloaded, every step"
+            if p[2] is not None
+            else f"the last {p[1]} selected occurrence(s) of each pass stay"
+        )
+        for p in policies
     ]
     parts.append(named[0] if len(named) == 1 else f"occurrences {UNDECIDED} ({' or '.join(named)})")
     return "observed rule: " + ", ".join(parts)
 
 
-def _threshold_words(fits: set[int], configured: int) -> str:
-    """The size threshold, from every threshold that fits alike (0: none)."""
+def _threshold_words(fits: set[int], configured: int, unit: str = "elements") -> str:
+    """The size threshold, from every threshold that fits alike (0: none), in ``unit``."""
     low, high = min(fits), max(fits)
     if low == high == 0:
         return "no size threshold"
     if low == high:
-        what = f"min_offloaded_tensor_size ({low})" if low == configured else str(low)
-        return f"tensors under {what} elements stay"
+        configs = low == configured and unit == "elements"
+        what = f"min_offloaded_tensor_size ({low})" if configs else str(low)
+        return f"tensors under {what} {unit} stay"
     if low == 0:
-        return f"no size threshold, or one of at most {high} elements ({UNDECIDED})"
-    return f"tensors under {low} to {high} elements stay ({UNDECIDED} exactly)"
+        return f"no size threshold, or one of at most {high} {unit} ({UNDECIDED})"
+    return f"tensors under {low} to {high} {unit} stay ({UNDECIDED} exactly)"

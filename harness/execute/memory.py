@@ -30,6 +30,7 @@ from harness.execute.predict import (
     freed_storages,
     in_flight_after_forward,
     predict,
+    prefetched_at_depth,
     prefetched_before,
     redundant_reload_bytes,
     reload_sizes,
@@ -200,7 +201,14 @@ def _memory_prediction(
     warmup, steady = predict(observations, config, order, semantics)
     if run.steps == 1:  # the final step is the warmup
         steady = warmup
-    early = prefetched_before(observations, steady, order, last_forward)
+    # the cadence the case is held to: Megatron-Core's, or the depth declared or learned
+    early = (
+        prefetched_before(observations, steady, order, last_forward)
+        if semantics.prefetch_depth is None
+        else prefetched_at_depth(
+            observations, steady, order, last_forward, semantics.prefetch_depth
+        )
+    )
     in_flight = in_flight_after_forward(order, last_forward)
     # A group reloaded ahead of its backward (``early``) freed its storages like any offloaded
     # one and holds its reloads instead: one allocation per copied tensor, so a tensor saved

@@ -61,7 +61,21 @@ def group_copies(
 ) -> tuple[int, int]:
     """(copies, bytes) one offload of the group makes, out and (where it reloads) back."""
     moved = _copied(obs, config, semantics)
-    return len(moved), sum(copy_bytes(s, semantics) for s in moved)
+    nbytes = sum(copy_bytes(s, semantics) for s in moved)
+    if semantics.batched:
+        return (1 if nbytes else 0), nbytes
+    return len(moved), nbytes
+
+
+def copy_sizes_of(
+    obs: GroupObservation, config: OffloadConfig, semantics: Semantics
+) -> tuple[int, ...]:
+    """The bytes of each copy one offload of the group makes (one way), sorted: one per moved
+    saved tensor, or one for them all where the rule batches them."""
+    sizes = [copy_bytes(s, semantics) for s in _copied(obs, config, semantics)]
+    if semantics.batched:
+        return (sum(sizes),) if sum(sizes) else ()
+    return tuple(sorted(sizes))
 
 
 def _copied(obs: GroupObservation, config: OffloadConfig, semantics: Semantics) -> list[SavedInfo]:
@@ -158,6 +172,8 @@ def kept_decisions(
     keep on the device (``group_bytes``: what each would copy)."""
     if semantics.policies == "every":
         kept = _kept_last(keys, semantics.keep_last)
+        if semantics.layers is not None:
+            kept |= {k: "kept:layers" for k in keys if k[1] not in semantics.layers}
         return kept, kept
     return {}, _steady_decisions(keys, group_bytes, config, order)
 
@@ -192,6 +208,8 @@ KEPT_RULES = {
     "kept:last_of_name": "kept: its chunk's last group of the name, and that chunk runs backward "
     "next (Megatron's last-of-name rule)",
     "kept:last": "kept: among the last selected groups of its pass's forward",
+    "kept:layers": "kept: its layer is not among the layers the rule offloads",
+    "kept:own": "kept: the offloader moved nothing here in the learning step it is held to",
 }
 
 
@@ -317,6 +335,34 @@ def prefetched_before(
             elif nxt is not None and nxt in forward_done and on_host.get(nxt):
                 prefetched.add(on_host[nxt].pop())
     return prefetched
+
+
+def prefetched_at_depth(
+    observations: Sequence[GroupObservation],
+    expected: dict[GroupKey, Expected],
+    order: Sequence[tuple[str, int]],
+    index: int,
+    depth: int,
+) -> set[GroupKey]:
+    """``prefetched_before`` for a prefetch depth (``Semantics.prefetch_depth``): offloaded
+    occurrences already reloaded when ``order[index]`` ends, each reloaded as soon as the rule
+    allows - once the backward of the occurrence ``depth`` places before it in the step's
+    backward order has ended (each pass's occurrences in reverse start order, the passes in the
+    schedule's backward order). Depth 0 reloads at the group's own backward: never ahead."""
+    if depth <= 0:
+        return set()
+    keys: dict[int, list[GroupKey]] = {}
+    for obs in observations:
+        keys.setdefault(obs.microbatch, []).append((obs.microbatch, obs.layer, obs.name))
+    backward = [key for kind, mb in order if kind == "B" for key in reversed(keys.get(mb, []))]
+    done = {mb for kind, mb in order[: index + 1] if kind == "B"}  # passes whose backward ended
+    ahead = set()
+    for i, key in enumerate(backward):
+        if key[0] in done or not expected[key].offloaded or i < depth:
+            continue
+        if backward[i - depth][0] in done:
+            ahead.add(key)
+    return ahead
 
 
 def freed_storages(

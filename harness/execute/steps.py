@@ -48,6 +48,7 @@ from harness.execute.baselines import (
 )
 from harness.execute.cadence import Cadence, run_cadence
 from harness.execute.caserun import CaseRun, attribution_mismatches
+from harness.execute.consistency import copy_sizes, own_expected, steady_proof
 from harness.execute.environment import Environment, closing
 from harness.execute.learn import ObservedRule, learn_from_steps
 from harness.execute.predict import Expected, inert_reason, predict
@@ -273,10 +274,18 @@ class _CaseSteps:
         """An undeclared backend's rule, learned from the warmup and first steady step (and
         held on every step), and the prediction by it."""
         self.rule = learn_from_steps(
-            self.observations, self.config, self.order, mine, self.env.device.type
+            self.observations,
+            self.config,
+            self.order,
+            mine,
+            self.env.device.type,
+            self.case.schedule,
         )
         self.semantics = self.rule.semantics
         self.predict_with(self.semantics)
+        if self.rule.own is not None:  # held to its own tables; the closest rule only guesses
+            closest = self.steady  # which storages a move frees
+            self.warmup, self.steady = own_expected(self.rule.own, self.observations, closest)
 
     def disabled_run(self) -> tuple[TransferCounts, Observed]:
         """One step with the offloader disabled: its totals (the observer says which window
@@ -355,6 +364,9 @@ class _CaseSteps:
             packed=tuple(dict(o.packed) for o in seen),
             unpacked=tuple(dict(o.unpacked) for o in seen),
             held=tuple(tuple(o.held) for o in seen),
+            copy_sizes=tuple(copy_sizes(o) for o in mine),
+            relaid=tuple(o.relaid for o in seen),
+            stale_marks=tuple(m for o in seen for m in o.stale_marks),
             warmup_expected=self.warmup,
             warmup_transfers=attribution.warmup,
             proof_problems=offload_proof(
@@ -366,6 +378,7 @@ class _CaseSteps:
                 self.env.device,
                 self.warmup,
             ),
+            steady_proof=self.steady_proof(per_step),
             observations=self.observations,
             # a one-step run's final step is its warmup
             expected=self.warmup if self.last == 0 else self.steady,
@@ -387,6 +400,18 @@ class _CaseSteps:
             inert=inert_reason(self.observations, self.config, [self.warmup, self.steady]),
             seconds=time.perf_counter() - start,
         )
+
+    def steady_proof(self, per_step: list[TransferCounts]) -> list[str]:
+        """For an offloader held to its own tables: each selected name the model opens moved
+        bytes in every step after the warmup (``harness.execute.consistency.steady_proof``)."""
+        own = self.rule.own if self.rule is not None else None
+        if own is None:
+            return []
+        hands_back = self.env.device.type != "cuda" and not any(
+            f["h2d_copies"] for f in own.steady.values()
+        )
+        names = set(self.case.offload) & set(self.spec.group_names)
+        return steady_proof(per_step, names, hands_back)
 
     def cadence(self, mine: list[Observed]) -> Cadence:
         """Every step's reloads ordered against the group backwards around them, held to the

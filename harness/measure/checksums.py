@@ -56,6 +56,7 @@ class _SumRecord:
         "offset",
         "packed",
         "reloaded",
+        "reused",
         "shape",
         "stride",
     )
@@ -73,6 +74,9 @@ class _SumRecord:
         self.stride = _layout(tensor)
         self.offset = tensor.storage_offset()
         self.packed, self.reloaded = packed, None
+        self.reused = ""
+        """Where its storage address held an earlier saved tensor, freed since
+        (``harness.measure.observe._reused_address``): named with a corrupted reload."""
 
     def where(self) -> str:
         mb, layer, name = self.key
@@ -80,6 +84,7 @@ class _SumRecord:
             f"{label_pass(mb, self.chunks)}, layer {layer}, group {name}, saved tensor "
             f"{self.index} of the "
             f"group: shape {list(self.shape)}, {self.dtype}, storage offset {self.offset}"
+            + (f" ({self.reused})" if self.reused else "")
         )
 
 

@@ -96,6 +96,10 @@ class Observed:
     step wrote that is still alive at this step's end (after its iteration ended): the host
     memory the offloader holds across iterations."""
 
+    stale_marks: list[tuple[GroupKey, int, int, int]] = field(default_factory=list)
+    """(group, bytes, step marked, step) of every saved tensor the offloader kept on the device
+    (its pack returned it) at an address where the model had marked a storage that no longer
+    holds that memory: a mark kept by address gone stale (``harness.measure.observe``)."""
     marks: list[tuple[int, str, GroupKey]] = field(default_factory=list)
     """(seq, ``start`` or ``end``, group occurrence): where each group occurrence's backward
     started (the gradient of its window's output arrived) and ended (the gradient of its
@@ -197,6 +201,7 @@ class Observed:
             relaid=self.relaid,
             marks=self.marks,
             commits=self.commits,
+            stale_marks=self.stale_marks,
         )
 
 

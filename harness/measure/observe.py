@@ -11,7 +11,8 @@ An offloader under test needs no cooperation (no profiler ranges of its own). Tw
 
 ``CopyObserver`` (a ``TorchDispatchMode``)
     Sees every aten op of an observed step, on every thread autograd runs backward on (the mode
-    is part of the thread-local state autograd carries into its worker threads), and records
+    is part of the thread-local state autograd carries into its worker threads) and on every
+    thread the offloader starts itself (``harness.measure.threads`` relays them), and records
     each copy between memories:
 
     * on CUDA: ``copy_``/``_to_copy``/``_copy_from`` between a CUDA tensor and a host tensor.
@@ -60,6 +61,7 @@ import contextlib
 import gc
 import itertools
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -88,6 +90,7 @@ from harness.measure.copyobserver import (
     _storage,
     _Written,
 )
+from harness.measure.threads import observing, watch_threads
 from harness.offload.protocol import (
     Group,
     IterationLog,
@@ -154,6 +157,16 @@ class _WindowState:
         a framework keeps them in one buffer, e.g. megatron-core's DDP), with its byte range
         (``Windowed.note_model``): a D2H from one of them is a weight offloaded."""
 
+        self.marked_at: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        """Storage address -> the tensor the model last marked not-offloadable there (weakly)
+        and the step it was marked in, across the run: a tensor an offloader keeps on the
+        device at such an address after the marked storage is gone was skipped by a stale mark
+        (``Observed.stale_marks``)."""
+        self.saved_at: dict[int, tuple[weakref.ref[torch.Tensor], GroupKey, int]] = {}
+        """Storage address -> the last saved tensor packed there (weakly), its group and step:
+        a saved tensor packed at an address whose earlier tensor is gone reuses it, which an
+        offloader keying its copies by address mistakes for the earlier one."""
+
         self.step = 0
         """The training step running now (``Windowed.end_iteration`` counts them)."""
         self.evaluating = False
@@ -180,6 +193,48 @@ class _WindowState:
         """Name where ``exc`` was raised inside the offloader's calls
         (``harness.util.progress``)."""
         progress.located(exc, self.position(phase, call, key))
+
+
+def _stale_mark(state: _WindowState, tensor: torch.Tensor) -> int | None:
+    """The step a mark was made at ``tensor``'s storage address, where the marked tensor no
+    longer holds that memory (freed, or resized to nothing as FSDP2 reshards) and ``tensor`` is
+    no marked tensor itself; None otherwise."""
+    if not isinstance(tensor, torch.Tensor) or isinstance(tensor, torch.nn.Parameter):
+        return None
+    local = local_tensor(tensor)
+    address = _storage(local)
+    with state.lock:
+        entry = state.marked_at.get(address)
+    if entry is None:
+        return None
+    marked = entry[0]()
+    if marked is local or (marked is not None and _owns(marked, address)):
+        return None
+    return entry[1]
+
+
+def _reused_address(state: _WindowState, tensor: torch.Tensor, key: GroupKey) -> str:
+    """Where ``tensor``'s storage address held an earlier saved tensor that no longer owns it
+    (empty: it did not), and note ``tensor`` there: what names an address-keyed dedup's stale
+    hit when the reload comes back wrong."""
+    if not isinstance(tensor, torch.Tensor):
+        return ""
+    local = local_tensor(tensor)
+    address = _storage(local)
+    with state.lock:
+        entry = state.saved_at.get(address)
+        state.saved_at[address] = (weakref.ref(local), key, state.step)
+    if entry is None:
+        return ""
+    earlier = entry[0]()
+    if earlier is not None and _owns(earlier, address):
+        return ""
+    mb, layer, name = entry[1]
+    return (
+        f"its storage address held a tensor saved by group {name} (microbatch {mb}, layer "
+        f"{layer}) in step {entry[2]}, freed since; an offloader keying its copies by address "
+        "goes stale when storage is reused"
+    )
 
 
 def _locating(unpack: Any, state: _WindowState, key: GroupKey) -> Any:
@@ -267,6 +322,7 @@ class _WindowGroup:
         def noted(tensor: torch.Tensor) -> Any:
             observer = state.observer
             record = None
+            reused = _reused_address(state, tensor, key)
             if observer is not None:
                 observer.saved_by(tensor, key)
                 observer.note_cast(tensor)
@@ -274,6 +330,7 @@ class _WindowGroup:
                     observer.observed.packed[key] += 1
                 if summed:
                     record = _SumRecord(key, next(count), tensor, checksum(tensor), state.chunks)
+                    record.reused = reused
             previous, state.packing = state.packing, key
             try:
                 packed = pack(tensor)
@@ -282,6 +339,13 @@ class _WindowGroup:
                 raise
             finally:
                 state.packing = previous
+            if packed is tensor and observer is not None:  # kept on the device
+                stale = _stale_mark(state, tensor)
+                if stale is not None:
+                    with observer.lock:
+                        observer.observed.stale_marks.append(
+                            (key, _nbytes(tensor), stale, state.step)
+                        )
             return _Summed(packed, record, key)
 
         return noted
@@ -369,6 +433,11 @@ class Windowed(Wrapper):
         observer = self.state.observer
         if observer is not None:
             observer.mark(tensors)
+        with self.state.lock:
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    local = local_tensor(t)
+                    self.state.marked_at[_storage(local)] = (weakref.ref(local), self.state.step)
         self.inner.mark_not_offloadable(*tensors)
 
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
@@ -429,11 +498,12 @@ def observe(offloader: Offloader, device: torch.device, sink: list[Observed]) ->
         raise TypeError(
             "observe() needs the run's offloader wrapped in harness.measure.observe.Windowed"
         )
+    watch_threads()  # an offloader's own threads' copies are seen too (harness.measure.threads)
     mode = CopyObserver(offloader.state, device)
     offloader.state.steps += 1
     offloader.state.observer = mode
     try:
-        with watching(), mode:
+        with watching(), mode, observing(mode):
             yield
     finally:
         offloader.state.observer = None

@@ -74,6 +74,16 @@ class Semantics:
     reload comes no earlier than the end of the backward of the occurrence ``d`` places before
     it in the step's backward order (0: not before its own backward starts, a reload at
     unpack)."""
+    layers: frozenset[int] | None = None
+    """With ``policies="every"``: only the selected groups of these layers move, in every
+    iteration (TransformerEngine's ``num_layers``: the first few layers are offloaded); None:
+    every layer's."""
+    batched: bool = False
+    """Each group occurrence's moved tensors travel in one copy each way (packed into one
+    buffer at commit), not one copy per tensor: the same bytes, one copy."""
+    threshold_unit: str = "elements"
+    """What the size threshold counts: ``elements`` (Megatron's ``min_offloaded_tensor_size``)
+    or ``bytes`` (a tensor of fewer bytes stays, whatever its dtype)."""
     observed: bool = False
     """Learned from the offloader's own copies (``harness.execute.learn``), not declared by it: the
     checks hold it to this rule and say so, but cannot hold it to Megatron's."""
@@ -99,6 +109,10 @@ class Semantics:
             raise ValueError(
                 f"Semantics.prefetch_depth must be None or an int >= 0, got {self.prefetch_depth!r}"
             )
+        if self.threshold_unit not in ("elements", "bytes"):
+            raise ValueError(
+                f"Semantics.threshold_unit must be elements or bytes, got {self.threshold_unit!r}"
+            )
         if self.reload_layout not in ("saved", "contiguous"):
             raise ValueError(
                 f"Semantics.reload_layout must be saved or contiguous, got {self.reload_layout!r}"
@@ -109,7 +123,8 @@ class Semantics:
         return device_type == "cuda" or self.host_reload
 
     def threshold(self, config: OffloadConfig) -> int:
-        """Elements below which a saved tensor stays (0: no threshold)."""
+        """Elements (``threshold_unit``: or bytes) below which a saved tensor stays (0: no
+        threshold)."""
         if not self.size_threshold:
             return 0
         return config.min_offloaded_tensor_size if self.min_size is None else self.min_size
@@ -153,7 +168,8 @@ def skip_reason(
     if info.numel == 0:
         return "is empty"
     threshold = semantics.threshold(config)
-    if info.numel < threshold:
+    size = info.numel * info.itemsize if semantics.threshold_unit == "bytes" else info.numel
+    if size < threshold:
         what = "min_offloaded_tensor_size" if semantics.min_size is None else "its size threshold"
-        return f"{info.numel} elements < {what} {threshold}"
+        return f"{size} {semantics.threshold_unit} < {what} {threshold}"
     return None

@@ -20,6 +20,7 @@ import torch
 
 from harness.cases import Case
 from harness.execute.attribution import total
+from harness.execute.cadence import Cadence
 from harness.execute.caserun import CaseRun, attribution_mismatches
 from harness.execute.environment import Environment
 from harness.execute.predict import predict
@@ -48,8 +49,17 @@ def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str
         moved = inert_copies(res)
         if moved:
             return [f"{res.inert}, yet the offload run copied: {moved}"]
-    elif res.proof_problems:
-        return ["the offload did not happen in step 0 (the warmup step):", *res.proof_problems]
+    elif res.proof_problems or res.steady_proof:
+        out = []
+        if res.proof_problems:
+            out += ["the offload did not happen in step 0 (the warmup step):", *res.proof_problems]
+        if res.steady_proof:
+            out += [
+                "the offload did not happen in every steady step (each selected name moves in "
+                "every step, whatever the offloader's own rule):",
+                *res.steady_proof,
+            ]
+        return out
     problems = []
     if res.corrupted:
         step, where = res.corrupted[0]
@@ -315,24 +325,28 @@ def pool_record(case: Case, res: CaseRun) -> dict[str, Any] | None:
 
 def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[str]:
     """Profiler counts equal the prediction and the offloader's log; no pageable or stray copy."""
-    if res.rule is not None and not res.rule.exact:
-        steps = " and ".join(str(s) for s in res.rule.steps)
-        return [
-            f"{res.rule.line}: an offloader that declares no semantics is held to the one rule "
-            f"its steps {steps} show, and none does; where the closest differs:",
-            *_capped(res.step_mismatches() + res.mismatches()),
-        ]
+    own = res.rule.own if res.rule is not None else None
     if not any(e.bytes for e in res.expected.values()) and not res.inert:
-        return ["the prediction moves nothing in the final step: the case would prove nothing"]
+        what = "its first steady step moved" if own is not None else "the prediction moves"
+        return [f"{what} nothing in the final step: the case would prove nothing"]
     problems = []
+    if own is not None and res.rule is not None and res.rule.inconsistent:
+        problems += [
+            f"{res.rule.line}; inconsistent within its learning steps:",
+            *_capped(list(res.rule.inconsistent)),
+        ]
+    relaid = res.relaid_inconsistencies()
+    if relaid:
+        problems += ["the reload layout changed after the learning steps:", *relaid]
     final = f"step {case.steps - 1} (the final step)"
     att = res.attribution
     source = att.source if att is not None else "offloader ranges"
     earlier = "the steps before the final one"
+    held = "its own first steady step" if own is not None else "prediction"
     for title, lines in (
-        (f"counted ({source}) vs prediction in {final}:", res.mismatches()),
+        (f"counted ({source}) vs {held} in {final}:", res.mismatches()),
         (f"offloader log vs counted ({source}) in {final}:", res.log_mismatches()),
-        (f"counted (harness windows) vs prediction in {earlier}:", res.step_mismatches()),
+        (f"counted (harness windows) vs {held} in {earlier}:", res.step_mismatches()),
         (f"offloader log vs counted (harness windows) in {earlier}:", res.step_log_mismatches()),
     ):
         if lines:
@@ -383,6 +397,8 @@ def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[st
             f"plain run's own copies in that step: {_nonzero(runner)}); the groups that copied "
             f"in that step: {_occurrences(copied)}"
         )
+    if problems and res.stale_marks:
+        problems += ["skipped by a stale mark (why copies went missing):", *res.stale_mark_lines()]
     return problems
 
 
@@ -530,6 +546,29 @@ def cadence_problems(res: CaseRun) -> list[str]:
             "and 1 showed; declare Semantics.prefetch_depth to hold it to a rule of its own)"
         )
     return problems
+
+
+def unordered_reason(res: CaseRun, cadence: Cadence) -> str:
+    """Why a run whose rule reloads ordered no reload: what the harness saw of the reloads."""
+    unordered = sum(s.unordered for s in cadence.steps)
+    if unordered:
+        return (
+            f"{unordered} reload copies were observed, but the backward of their group "
+            "occurrences was never marked (no gradient reached the harness's hook on the "
+            "window's output): none could be placed in the backward order"
+        )
+    h2d = sum(c.totals()["h2d"].copies for c in res.per_step)
+    outside = sum(c.unattributed["h2d"].copies for c in res.per_step)
+    if h2d or outside:
+        return (
+            f"no reload of a selected group was ordered: the run's H2D copies ({h2d} in group "
+            f"windows, {outside} outside every window) read no host memory an observed "
+            "offload of a selected group wrote"
+        )
+    return (
+        "no reload copy was observed in any step, though the rule it is held to reloads "
+        "(the transfers check says where)"
+    )
 
 
 def cadence_evidence(res: CaseRun, device_type: str) -> str | None:

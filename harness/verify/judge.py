@@ -42,6 +42,7 @@ from typing import Any
 from harness.cases import Case
 from harness.execute import steps as case_steps
 from harness.execute.caserun import CaseRun
+from harness.execute.consistency import HELD
 from harness.execute.environment import Environment
 from harness.execute.learn import OBSERVED_LABEL
 from harness.execute.memory import MemoryResult
@@ -66,6 +67,7 @@ from harness.verify.checks import (
     leak_problems,
     pool_record,
     transfer_problems,
+    unordered_reason,
     weight_problems,
 )
 from harness.verify.memorycheck import memory_problems
@@ -295,13 +297,30 @@ def _transfers(runs: CaseRuns) -> CheckOutcome:
         attribution=att.source if att is not None else None,
         outside_windows=outside,
     )
+    if outcome.status == "pass" and res.rule is not None and _learned_only(runs.case, res):
+        return CheckOutcome(name="transfers", status="skip", reason=LEARNED_ONLY)
     if outcome.status == "pass" and res.rule is not None:
         # What a learned rule cannot tell: a consistent rule of its own is no proof of Megatron's.
-        reason = (
-            f"consistent with {OBSERVED_LABEL}; declare semantics to check it against Megatron's"
+        held = (
+            f"{HELD} (no rule of the family explains its copies)"
+            if res.rule.own is not None
+            else f"consistent with {OBSERVED_LABEL}"
         )
+        reason = f"{held}; declare semantics to check it against Megatron's"
         return dataclasses.replace(outcome, reason=reason)
     return outcome
+
+
+LEARNED_ONLY = (
+    "the backend declares no semantics, so its rule is learned from steps 0 and 1, and this "
+    "run has no later step to hold it to (run --steps 3 or more): judging the learning steps "
+    "by what they taught would prove nothing"
+)
+
+
+def _learned_only(case: Case, res: CaseRun) -> bool:
+    """Whether every step of an undeclared backend's run was a learning step."""
+    return res.rule is not None and case.steps <= len(res.rule.steps)
 
 
 def _disabled(runs: CaseRuns) -> CheckOutcome:
@@ -360,11 +379,20 @@ def _cadence(runs: CaseRuns) -> CheckOutcome:
                 "reload copy to order",
                 record=record,
             )
-        reason = "no reload copy was observed to order (the transfers check says why)"
+        reason = unordered_reason(res, cadence)
         return CheckOutcome(name="cadence", status="skip", reason=reason, record=record)
     outcome = _from_problems("cadence", cadence_problems(res), **record)
+    if outcome.status == "pass" and res.semantics.observed and _learned_only(runs.case, res):
+        return CheckOutcome(name="cadence", status="skip", reason=LEARNED_ONLY, record=record)
     if outcome.status == "pass" and cadence is not None:
-        return dataclasses.replace(outcome, reason=cadence.summary())
+        reason = cadence.summary()
+        if res.semantics.observed:  # as transfers says: its own depth is no proof of Megatron's
+            reason += (
+                "; held to the prefetch depth its steps 0 and 1 showed; declare "
+                "Semantics.prefetch_depth to check it against a rule"
+            )
+        note = cadence.cost_note()
+        return dataclasses.replace(outcome, reason=f"{reason}; {note}" if note else reason)
     return outcome
 
 
