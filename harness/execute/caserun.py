@@ -113,6 +113,9 @@ class CaseRun:
     tensor behind a difference."""
     relaid: tuple[int, ...] = ()
     """Per step: reloads whose strides differed from the saved tensor's."""
+    overdrawn: tuple[tuple[int, GroupKey | None, int, int], ...] = ()
+    """(step, group, bytes read, bytes saved) of every saved storage the offload run's D2H
+    copies read more of than its saves hold: the same data copied out twice."""
     stale_marks: tuple[tuple[GroupKey, int, int, int], ...] = ()
     """(group, bytes, step marked, step) of every saved tensor the offloader kept on the device
     at an address whose marked storage was gone (``Observed.stale_marks``)."""
@@ -220,6 +223,23 @@ class CaseRun:
             )
         return lines
 
+    def overdrawn_lines(self, limit: int = 3) -> list[str]:
+        """Each saved storage copied out more than once per save, first ``limit``."""
+        lines = []
+        for step, group, drawn, allowed in self.overdrawn[:limit]:
+            where = (
+                f"{pass_label(group[0], self.case.schedule)}, layer {group[1]}, group {group[2]}"
+                if group is not None
+                else "outside every group window"
+            )
+            lines.append(
+                f"step {step}, {where}: D2H copies read {drawn} B from a saved storage whose saves "
+                f"hold {allowed} B: copied out more than the saved storages hold (the same data "
+                "moved twice)"
+            )
+        more = len(self.overdrawn) - limit
+        return lines + ([f"... and {more} more such storages"] if more > 0 else [])
+
     def stale_mark_lines(self, limit: int = 3) -> list[str]:
         """Why copies went missing where the offloader skipped tensors by stale marks."""
         lines = []
@@ -227,8 +247,8 @@ class CaseRun:
             mb, layer, name = key
             lines.append(
                 f"step {step}, {pass_label(mb, self.case.schedule)}, layer {layer}, group "
-                f"{name}: a saved tensor of {nbytes} B was skipped at an address that held a "
-                f"storage marked not-offloadable in step {marked} and freed by step {step}; "
+                f"{name}: a saved tensor of {nbytes} B was kept on the device at an address "
+                f"that held a storage marked not-offloadable in step {marked}, freed since; "
                 "marks kept by address go stale when storage is reused"
             )
         more = len(self.stale_marks) - limit

@@ -397,7 +397,7 @@ def describe(rules: Sequence[Semantics], device_type: str, config: OffloadConfig
     named = [
         words.get(p)
         or (
-            f"only layers {layer_words(p[2])} offloaded, every step"
+            f"only layer{'s' if len(p[2]) > 1 else ''} {layer_words(p[2])} offloaded, every step"
             if p[2] is not None
             else f"the last {p[1]} selected occurrence(s) of each pass stay"
         )

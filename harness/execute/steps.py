@@ -367,6 +367,7 @@ class _CaseSteps:
             copy_sizes=tuple(copy_sizes(o) for o in mine),
             relaid=tuple(o.relaid for o in seen),
             stale_marks=tuple(m for o in seen for m in o.stale_marks),
+            overdrawn=self.overdrawn(seen),
             warmup_expected=self.warmup,
             warmup_transfers=attribution.warmup,
             proof_problems=offload_proof(
@@ -399,6 +400,18 @@ class _CaseSteps:
             cadence=self.cadence(mine),
             inert=inert_reason(self.observations, self.config, [self.warmup, self.steady]),
             seconds=time.perf_counter() - start,
+        )
+
+    def overdrawn(self, seen: list[Observed]) -> tuple[tuple[int, GroupKey | None, int, int], ...]:
+        """(step, group, bytes read, bytes saved) of every saved storage the offload run's D2H
+        copies read more of than its saves hold (``Observed.overdrawn``), except in groups where
+        the model copies saved data to the host itself (its own copies, seen in the hooks run)."""
+        own = {c.group for o in self.own for c in o.copies if c.direction == "d2h"}
+        return tuple(
+            (step, group, drawn, allowed)
+            for step, observed in enumerate(seen)
+            for group, drawn, allowed in observed.overdrawn
+            if group not in own
         )
 
     def steady_proof(self, per_step: list[TransferCounts]) -> list[str]:

@@ -96,6 +96,10 @@ class Observed:
     step wrote that is still alive at this step's end (after its iteration ended): the host
     memory the offloader holds across iterations."""
 
+    overdrawn: list[tuple[GroupKey | None, int, int]] = field(default_factory=list)
+    """(group, bytes copied out, bytes saved) of every saved storage the step's D2H copies read
+    more bytes from than its saves hold (each save of a tensor allows its whole storage once):
+    the same data copied out twice, which no rule of any offloader explains."""
     stale_marks: list[tuple[GroupKey, int, int, int]] = field(default_factory=list)
     """(group, bytes, step marked, step) of every saved tensor the offloader kept on the device
     (its pack returned it) at an address where the model had marked a storage that no longer
@@ -202,6 +206,7 @@ class Observed:
             marks=self.marks,
             commits=self.commits,
             stale_marks=self.stale_marks,
+            overdrawn=self.overdrawn,
         )
 
 
@@ -283,6 +288,12 @@ class CopyObserver(TorchDispatchMode):
         self.casts: dict[int, list[_Noted]] = {}
         """Storages of saved tensors that are casts of a parameter (a bf16 shadow made for the
         forward), as ``state.weights``."""
+        self.allowed: dict[int, int] = {}
+        """Source storage -> bytes the step's D2H copies may read from it: its whole storage
+        once per save (or per tensor a pack hook made from a saved one)."""
+        self.drawn: dict[int, int] = {}
+        """Source storage -> bytes the step's D2H copies read from it."""
+        self.over: dict[int, tuple[GroupKey | None, int, int]] = {}
         self.lock = threading.Lock()
         self._seq = itertools.count()
 
@@ -348,8 +359,27 @@ class CopyObserver(TorchDispatchMode):
         """``group``'s pack hook received ``tensor``."""
         if isinstance(tensor, torch.Tensor):
             with self.lock:
+                self._allow(tensor)
                 if not self._is_marked(tensor):
                     self.saved[_storage(tensor)] = (group, weakref.ref(tensor))
+
+    def _allow(self, tensor: torch.Tensor) -> None:
+        """One more save of ``tensor``: its whole storage may be copied out once more."""
+        address = _storage(tensor)
+        storage = local_tensor(tensor).untyped_storage()
+        self.allowed[address] = self.allowed.get(address, 0) + storage.nbytes()
+
+    def _draw(self, src: torch.Tensor, nbytes: int, group: GroupKey | None) -> None:
+        """A D2H read ``nbytes`` of ``src``: past what its saves allow, the step notes it
+        (one entry per storage, updated as more is read)."""
+        address = _storage(src)
+        allowed = self.allowed.get(address)
+        if allowed is None:
+            return  # not a saved storage (a buffer the offloader packed itself): no bound
+        drawn = self.drawn[address] = self.drawn.get(address, 0) + nbytes
+        if drawn > allowed:
+            self.over[address] = (group, drawn, allowed)
+            self.observed.overdrawn = list(self.over.values())
 
     def __torch_dispatch__(
         self,
@@ -367,6 +397,7 @@ class CopyObserver(TorchDispatchMode):
                     with self.lock:
                         if self._saved_group(made) is None and not self._is_marked(made):
                             self.saved[_storage(made)] = (packing, weakref.ref(made))
+                            self._allow(made)
         op = _COPY_OPS.get(func)
         if op is not None:
             try:
@@ -393,6 +424,7 @@ class CopyObserver(TorchDispatchMode):
                 group = self._saved_group(src) or self.state.current()
                 if group is not None:
                     self._wrote(dst, group)
+                self._draw(src, _nbytes(dst), group)
                 self._add("d2h", op, dst, group, not dst.is_pinned(), self._weight_of(src))
         elif src.device.type == "cpu" and dst.device.type == "cuda":
             with self.lock:
@@ -413,6 +445,7 @@ class CopyObserver(TorchDispatchMode):
             if group is None:
                 return  # a host copy of no saved tensor, outside every window: not an offload
             self._wrote(dst, group)
+            self._draw(src, _nbytes(dst), group)
             self._add("d2h", op, dst, group, False, self._weight_of(src))
 
     def _wrote(self, dst: torch.Tensor, group: GroupKey) -> None:

@@ -329,7 +329,7 @@ def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[st
     if not any(e.bytes for e in res.expected.values()) and not res.inert:
         what = "its first steady step moved" if own is not None else "the prediction moves"
         return [f"{what} nothing in the final step: the case would prove nothing"]
-    problems = []
+    problems = res.overdrawn_lines()  # an absolute: whatever was declared or learned
     if own is not None and res.rule is not None and res.rule.inconsistent:
         problems += [
             f"{res.rule.line}; inconsistent within its learning steps:",
@@ -397,8 +397,11 @@ def transfer_problems(case: Case, res: CaseRun, device: torch.device) -> list[st
             f"plain run's own copies in that step: {_nonzero(runner)}); the groups that copied "
             f"in that step: {_occurrences(copied)}"
         )
-    if problems and res.stale_marks:
-        problems += ["skipped by a stale mark (why copies went missing):", *res.stale_mark_lines()]
+    if problems and res.stale_marks:  # the why first
+        problems[:0] = [
+            "skipped by a stale mark (why copies went missing):",
+            *res.stale_mark_lines(),
+        ]
     return problems
 
 
