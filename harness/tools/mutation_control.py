@@ -19,15 +19,12 @@ What the control may do on a row, and why each is fine or not:
 * any other check failing, its runs raising included: the score is invalid (``invalid: the
   control fails N rows``, each row with its failing checks).
 
-With ``--undeclared`` the reference runs with its declaration hidden too, and its rows' "no
-single rule explains" problems are kept (``ControlRow.unexplained``): that problem is a
-broken offloader's catch only where the reference's same row does not produce it.
+With ``--undeclared`` the reference runs with its declaration hidden too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from dataclasses import dataclass
 
@@ -37,12 +34,6 @@ from harness.cases import Case
 from harness.execute.environment import Environment
 from harness.offload.backends import parse_race_delays, with_delays
 from harness.verify.judge import judge
-
-UNEXPLAINED = re.compile(r"^no single rule explains its copies in steps? ")
-"""How the transfer check says that an undeclared backend's copies fit no rule it could have
-(``harness.execute.learn``): with the declarations hidden (``--undeclared``) that is the
-learned-rule form of "counted vs prediction", so it counts as a transfers catch - where the
-control's same row does not say it too."""
 
 NEVER_INVALIDATES = ("golden",)
 """Checks whose failure of the control leaves the score valid: ``golden`` reads the plain
@@ -61,8 +52,6 @@ class ControlRow:
     """(check, its first problem line) of every failing check that invalidates the score."""
     noted: tuple[tuple[str, str], ...] = ()
     """(check, first problem line) of failing checks that do not (``NEVER_INVALIDATES``)."""
-    unexplained: bool = False
-    """Its transfer check says no single rule explains its copies (``--undeclared``)."""
     seconds: float = 0.0
     """Wall seconds of the row's judgement (with the row's plain baseline when it trained it:
     the broken offloaders judged after it on the same worker reuse that)."""
@@ -98,7 +87,6 @@ def judge_control(case: Case, env: Environment) -> ControlRow:
     began = time.perf_counter()
     judgement = judge(case, env)
     failures, noted = [], []
-    unexplained = False
     # its verdict by the checks that count (a golden drift alone leaves a passing row)
     counted = [o for o in judgement.outcomes if o.name not in NEVER_INVALIDATES]
     verdict = dataclasses.replace(judgement, outcomes=tuple(counted)).verdict
@@ -107,15 +95,11 @@ def judge_control(case: Case, env: Environment) -> ControlRow:
             continue
         found = (outcome.name, first_line(outcome.problems))
         (noted if outcome.name in NEVER_INVALIDATES else failures).append(found)
-        if outcome.name == "transfers":
-            lines = (line.strip() for p in outcome.problems for line in p.splitlines())
-            unexplained = unexplained or any(UNEXPLAINED.search(line) for line in lines)
     return ControlRow(
         case=case.name,
         verdict=verdict,
         failures=tuple(failures),
         noted=tuple(noted),
-        unexplained=unexplained,
         seconds=time.perf_counter() - began,
     )
 

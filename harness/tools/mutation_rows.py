@@ -3,9 +3,9 @@ offloaders given, one after another, so they share the row's plain baseline
 (``harness.execute.baselines``: each worker keeps the last one it trained).
 
 What counts as a broken offloader's catch on a row is decided here (``find``): a check its
-catalogue entry names failing with the entry's pattern for it, or - with the declarations
-hidden - a transfer failure no single rule explains, which ``harness.tools.mutation_score``
-counts only where the control's same row does not say it too.
+catalogue entry names failing with the entry's pattern for it (with the declarations hidden
+too: an undeclared offloader is held to its own first steady step, whose failures read like
+the prediction's, ``harness.verify.detection.HELD``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from harness.cases import Case
 from harness.execute.environment import Environment
 from harness.offload.backends import parse_race_delays, with_delays
 from harness.offload.broken import NO_DELAYS
-from harness.tools.mutation_control import UNEXPLAINED, ControlRow, first_line, judge_control
-from harness.verify.detection import BrokenBackend, entry, first_match
+from harness.tools.mutation_control import ControlRow, first_line, judge_control
+from harness.verify.detection import BrokenBackend, entry
 from harness.verify.judge import CHECKS, judge
 
 RAISED = "the case's runs raised"
@@ -50,9 +50,6 @@ class Catch:
     check: str
     line: str
     """The problem line that matched (with the line it heads where it is a header)."""
-    unexplained: bool = False
-    """Matched as "no single rule explains its copies" (``--undeclared``), not by the entry's
-    own pattern: a catch only where the control's row does not say it too."""
 
 
 @dataclass(frozen=True)
@@ -65,16 +62,14 @@ class Finding:
     raised: str = ""
     other: str = ""
 
-    def catch(self, control_unexplained: bool = False) -> Catch | None:
-        """The first catch that counts: an ``unexplained`` one only where the control's row
-        (``control_unexplained``) has no such problem."""
-        return next((c for c in self.catches if not (c.unexplained and control_unexplained)), None)
+    def catch(self) -> Catch | None:
+        """The first catch."""
+        return self.catches[0] if self.catches else None
 
 
 def find(case: Case, env: Environment, broken: BrokenBackend) -> Finding:
     """Judge ``case`` on ``broken``'s named checks; a catch is a named check failing with the
-    entry's pattern for it (``BrokenBackend.matching``) or, with the declarations hidden, a
-    transfer failure no single rule explains (weighed against the control by the caller)."""
+    entry's pattern for it (``BrokenBackend.matching``)."""
     judgement = judge(case, env, checks=named_checks(broken))
     catches: list[Catch] = []
     other = ""
@@ -85,11 +80,6 @@ def find(case: Case, env: Environment, broken: BrokenBackend) -> Finding:
         if line is not None:
             catches.append(Catch(outcome.name, first_line([line])))
             continue
-        if env.undeclared and outcome.name == "transfers":
-            line = first_match(UNEXPLAINED, outcome.problems)
-            if line is not None:
-                catches.append(Catch(outcome.name, first_line([line]), unexplained=True))
-                continue
         first = first_line(list(outcome.problems))
         if first.startswith(RAISED):  # every later check reading the same runs is a skip
             return Finding(tuple(catches), raised=first, other=other)

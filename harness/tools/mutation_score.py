@@ -26,10 +26,10 @@ with its failing checks, and exit code 1. Its judgement shares the row's plain b
 the broken offloaders judged after it on the same worker: the rows' judgements are grouped by
 row, at most ``MAX_ROWS_SHARING`` a worker call, the control first.
 
-``--undeclared`` judges every backend, the control included, as if it declared no semantics.
-A transfer failure saying that no single rule explains the copies then counts as a catch
-unless the control's same row says it too; an entry whose fault learning takes for a rule of
-its own (``BrokenBackend.learnable``) is judged on its catchers only. On CUDA each broken
+``--undeclared`` judges every backend, the control included, as if it declared no semantics:
+each is held to the rule learned from its steps 0 and 1, or to its own first steady step where
+no rule fits (``harness.execute.consistency``); an entry whose fault learning takes for a rule
+of its own (``BrokenBackend.learnable``) is judged on its catchers only. On CUDA each broken
 offloader runs with the race delays its catalogue entry names (``--race-delays none`` turns them
 off; ``d2h=N,h2d=N,compute=N`` sets them for all, the control included). Exit code 0 when the
 control is clean and every broken offloader was caught (or, with ``--repeat-correct``, when no
@@ -231,7 +231,7 @@ class Scoring:
             judged = self.judged[name].get(row.name)
             if judged is None:
                 continue
-            caught = judged.finding.catch(self.controls[row.name].unexplained)
+            caught = judged.finding.catch()
             if caught is not None:
                 return judged, caught
         return None

@@ -10,8 +10,6 @@
 * the control: a failing check but golden on a scored row makes the score invalid (exit 1, the
   rows and checks named; stand-in judges, and a real broken offloader as the control); pass,
   inert, refused, n-a or skipped checks and a golden drift leave it valid;
-* with the declarations hidden, "no single rule explains" is a catch only where the control's
-  row does not say it too;
 * the schedule: the control once per row, before the entries sharing its worker call; the
   rest of the matrix only after the catchers missed; a learnable fault judged on its catchers
   only when undeclared.
@@ -131,10 +129,6 @@ def test_drifted_golden_changes_no_verdict(tmp_path: Path, monkeypatch: pytest.M
 # ------------------------------------------------------------------------------ the control
 
 FRACTION = detection.entry("broken.fraction_count")
-UNEXPLAINED_LINE = (
-    "no single rule explains its copies in steps 0 and 1; the closest, every selected "
-    "occurrence every step, misses 2 group occurrence(s)"
-)
 RELOADS_LINE = "1 reloads differ from what was saved (checksums at pack and unpack, 9 compared)"
 
 
@@ -270,45 +264,6 @@ def test_a_clean_control_gives_a_valid_score(
     assert len(drift) == len(drifted), lines
     assert lines[-1] == "caught 1/1"
     assert lines[-2].startswith("caught 1/1 on cpu (") and "the control's 1: " in lines[-2]
-
-
-@pytest.mark.parametrize("control_says_it", [False, True])
-def test_undeclared_no_single_rule_is_a_catch_only_where_the_control_row_lacks_it(
-    monkeypatch: pytest.MonkeyPatch, control_says_it: bool
-) -> None:
-    """``--undeclared``: "no single rule explains its copies" catches ``fraction_count`` on the
-    seed row only if the reference, its declaration hidden too, fits a rule there."""
-    unexplained = [_fail("transfers", UNEXPLAINED_LINE)]
-    judges = Judges(
-        control={SEED_CASE.name: unexplained if control_says_it else []},
-        broken={(FRACTION.name, SEED_CASE.name): unexplained},
-    ).install(monkeypatch)
-    result = mutation_score.score([FRACTION], CPU, "tiny", "auto", 1, undeclared=True)
-    (outcome,) = result.outcomes
-    if not control_says_it:
-        assert outcome.caught and outcome.check == "transfers", outcome
-        assert outcome.problem == UNEXPLAINED_LINE
-        assert result.invalid == [] and outcome.cases_run == 1
-        return
-    assert not outcome.caught, outcome
-    assert f"the control's row says it too, so no catch: {SEED_CASE.name} [transfers]" in (
-        outcome.note
-    )
-    # no catch anywhere: the rest of the matrix was judged too, each row with its control
-    rows = [row.name for row in default_matrix()]
-    assert outcome.cases_run == len(rows)
-    assert sorted(judges.rows_of(FRACTION.name)) == sorted(rows)
-    assert sorted(judges.rows_of("control")) == sorted(rows)
-    assert result.invalid[0] == "invalid: the control fails 1 rows"
-
-
-def test_the_undeclared_discount_needs_the_control_row_not_the_pattern() -> None:
-    """The entry's own pattern is never discounted, only the learned-rule form."""
-    own = mutation_rows.Catch("transfers", "counted (...) vs prediction in step 5 ...")
-    learned = mutation_rows.Catch("transfers", UNEXPLAINED_LINE, unexplained=True)
-    assert mutation_rows.Finding((learned, own)).catch(control_unexplained=True) == own
-    assert mutation_rows.Finding((learned, own)).catch(control_unexplained=False) == learned
-    assert mutation_rows.Finding((learned,)).catch(control_unexplained=True) is None
 
 
 # ------------------------------------------------------------------------------ the schedule
