@@ -47,9 +47,10 @@ def _reload(device: torch.device, stride: tuple[int, ...], host: torch.Tensor) -
 
 
 class ThreadCopier(StorageSkip):
-    """Every D2H and H2D copy runs on a one-thread pool and the caller waits for it; on CUDA the
-    worker copies on a stream of its own after an event of the caller's stream, then
-    synchronizes that stream before it returns."""
+    """Every D2H and H2D copy is issued on a one-thread pool while the hook waits for the worker
+    to return; on CUDA the worker issues the copy on a stream of its own after an event of the
+    caller's stream and returns an event after it (no host synchronisation): the H2D waits on
+    the D2H's event, the caller's stream on the H2D's."""
 
     name = "consistent.thread-copier"
 
@@ -67,39 +68,49 @@ class ThreadCopier(StorageSkip):
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, ready) -> torch.Tensor:
-        """The worker's job: ``dst.copy_(src)``, finished on the device before it returns."""
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, waits) -> tuple[torch.Tensor, object]:
+        """The worker's job: ``dst.copy_(src)`` issued after ``waits`` (CUDA events), and an
+        event after it (None on a CPU device, where the copy is done when it returns)."""
         with torch.no_grad():
             if self.stream is None:
-                return dst.copy_(src)
+                return dst.copy_(src), None
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                self.stream.wait_event(ready)
+                for event in waits:
+                    self.stream.wait_event(event)
                 dst.copy_(src, non_blocking=True)
-                self.stream.synchronize()
-            return dst
+                for t in (dst, src):
+                    if t.is_cuda:  # device memory the side stream uses lives until it is done
+                        t.record_stream(self.stream)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            return dst, done
 
-    def _d2h(self, t: torch.Tensor, ready, host: torch.Tensor | None = None) -> torch.Tensor:
+    def _d2h(self, t: torch.Tensor, waits, host: torch.Tensor | None = None):
         if host is None:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-        return self._copy(host, t, ready)
+        return self._copy(host, t, waits)
 
     def pack(self, t: torch.Tensor):
         if self.stays(t):
             return t
-        host = self.pool.submit(self._d2h, t, self._ready()).result()
-        return (t.device, t.stride(), host)
+        host, done = self.pool.submit(self._d2h, t, [e for e in [self._ready()] if e]).result()
+        return (t.device, t.stride(), host, done)
 
-    def _h2d(self, host: torch.Tensor, device, stride) -> torch.Tensor:
-        # Allocated on the caller's stream, so the event after it orders the worker's copy after
-        # every earlier use of that memory; the worker's synchronize makes it ready for the caller.
+    def _h2d(self, host: torch.Tensor, device, stride, done) -> torch.Tensor:
+        # allocated on the caller's stream; the worker's copy waits for the caller's work so far
+        # and for the D2H that filled the host buffer, the caller's stream for the copy
         out = torch.empty_strided(host.shape, stride, dtype=host.dtype, device=device)
-        return self.pool.submit(self._copy, out, host, self._ready()).result()
+        waits = [e for e in (self._ready(), done) if e is not None]
+        out, back = self.pool.submit(self._copy, out, host, waits).result()
+        if back is not None:
+            torch.cuda.current_stream(self.device).wait_event(back)
+        return out
 
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        device, stride, host = packed
-        return self._h2d(host, device, stride)
+        device, stride, host, done = packed
+        return self._h2d(host, device, stride, done)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -566,18 +577,19 @@ class ThreadStaleBuffer(ThreadCopier):
             held = slot[parity]
             if held is not None and (held.shape != t.shape or held.dtype != t.dtype):
                 held = None
-            slot[parity] = self.pool.submit(self._d2h, t, self._ready(), held).result()
-            return (t.device, t.stride(), slot, parity)
+            waits = [e for e in [self._ready()] if e is not None]
+            slot[parity], done = self.pool.submit(self._d2h, t, waits, held).result()
+            return (t.device, t.stride(), slot, parity, done)
 
         def unpack(packed):
             if isinstance(packed, torch.Tensor):
                 return packed
-            device, stride, slot, parity = packed
+            device, stride, slot, parity, done = packed
             host = slot[parity]
             stale = slot[parity ^ 1] if self.step >= 1 else None  # the bug: last step's buffer
             if stale is not None and stale.shape == host.shape and stale.dtype == host.dtype:
                 host = stale
-            return self._h2d(host, device, stride)
+            return self._h2d(host, device, stride, done)
 
         group.hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         return group
