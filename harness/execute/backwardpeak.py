@@ -77,7 +77,17 @@ class BackwardSampler(Wrapper):
     the offloader adds no node (the committed output is the next group's input: core_attn feeds
     attn_proj, expert_fc1 feeds moe_act) and fire in registration order - start first - but with
     the offloader's nodes between them in the other order. Through the node the order is the
-    same in both runs: the later group's end, then the earlier group's start."""
+    same in both runs: the later group's end, then the earlier group's start.
+
+    The inner offloader gets the group's input through an identity node of the sampler's own as
+    well, so the tensor the end hook waits on is used by the group alone in both runs. Where the
+    model uses the input outside the group too (``*`` layers: ``x + attention(x)`` with
+    qkv_linear's input ``x``), a hook on the input itself - the plain baseline's, which hands
+    ``x`` through - fired only once the residual branch's gradient of ``x`` was summed with the
+    group's, while a hook on the offloader's node output fired before that sum: the offload run
+    held one [B, T, D] gradient more at every qkv_linear end (4 MiB in bf16, 8 MiB in fp32, on
+    the H100 at afb5c10, all 27 rows selecting qkv_linear in ``*`` layers). Now both runs read
+    there with the residual branch's gradient still apart."""
 
     def __init__(self, inner: Offloader, device: torch.device) -> None:
         super().__init__(inner)
@@ -92,6 +102,8 @@ class BackwardSampler(Wrapper):
 
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
         key = (self._microbatch, layer, name)
+        if self._marks(x):
+            x = _OwnInput.apply(x)  # the group's input has no other consumer (class docstring)
         inner = self.inner.group(name, x, layer=layer)
         if self._marks(inner.input):
             inner.input.register_hook(lambda grad: self.read(END, key))
@@ -103,6 +115,18 @@ class BackwardSampler(Wrapper):
 
     def _marks(self, tensor: Any) -> bool:
         return self.armed and isinstance(tensor, torch.Tensor) and tensor.requires_grad
+
+
+class _OwnInput(torch.autograd.Function):
+    """Identity: the input the sampler hands the inner offloader, used by the group alone."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 class _StartMark(torch.autograd.Function):

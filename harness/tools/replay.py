@@ -25,10 +25,14 @@ BACKWARD_ROWS = (
     "hybrid-+-+-+-_core_attn+attn_proj_1f1b_bf16_6x3",
     "hybrid-+-+-+-_core_attn+attn_proj_interleaved_bf16_6x4",
     "moe-fused-*E*E_fused_group_mlp_1f1b_fp32",
+    "moe-*E*E_qkv_linear+core_attn+attn_proj_1f1b_bf16",
 )
 """Rows whose backward readings are kept: the seed's, the one where a group's committed output
 is the next group's input twice in a layer (expert_fc1 into moe_act), 1F1B with a pass in
-flight, the interleaved order with two model chunks, the fused expert group."""
+flight, the interleaved order with two model chunks, the fused expert group, and one where a
+selected group's input is used outside the group too (qkv_linear's in ``*`` layers, the residual
+add's as well: the sampler's end mark at afb5c10 read the two runs at different moments there,
+``harness.execute.backwardpeak.BackwardSampler``)."""
 
 
 def recorded_by(summary: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]:
