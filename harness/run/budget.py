@@ -162,6 +162,27 @@ def model_bytes(spec: ModelSpec, precision: str, chunks: int = 1) -> tuple[int, 
     return sum(p.numel() for p in model.parameters()), largest
 
 
+@functools.lru_cache(maxsize=64)
+def largest_shard_unit(spec: ModelSpec) -> int:
+    """The parameters of ``spec``'s largest FSDP2 unit under sharding ``zero3``: a layer (each
+    is ``fully_shard``-ed), or the root's own parameters (embedding, final norm, head), counted
+    on the meta device (``harness.models.train.shard_model``)."""
+    from harness.models.hybrid import HybridModel
+
+    ours = spec.replace(
+        impl="harness",
+        recompute="",
+        cuda_graph="",
+        mtp="",
+        offload_buffer_kib=0,
+        pattern="".join(spec.all_layers),
+    )
+    model = HybridModel(ours).to(device="meta")
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    root = sum(p.numel() for p in model.parameters()) - sum(layers)
+    return max([root, *layers])
+
+
 def passes_in_flight(schedule: str, microbatches: int) -> int:
     """The most passes whose forward ran and whose backward has not, in one step of
     ``schedule`` (``harness.models.train.schedule_order``)."""
@@ -181,8 +202,8 @@ def kept_runs(declared: Semantics | None) -> int:
     return 3 if declared is None or declared.reload_layout == "contiguous" else 2
 
 
-def estimate_peak(spec: ModelSpec, run: RunSpec, kept: int) -> int:
-    """The device bytes a case of ``spec`` and ``run`` holds at its peak
+def estimate_peak(spec: ModelSpec, run: RunSpec, kept: int, sharding: str = "none") -> int:
+    """The device bytes a case of ``spec``, ``run`` and ``sharding`` holds at its peak
     (``harness.vocab.fits.case_peak_bytes``), every pass in flight at the largest pass's
     activations."""
     parameters, activations = model_bytes(spec, run.precision, model_chunks(run.schedule))
@@ -193,6 +214,8 @@ def estimate_peak(spec: ModelSpec, run: RunSpec, kept: int) -> int:
         model=spec,
         run=run,
         kept_runs=kept,
+        sharding=sharding,
+        largest_unit=largest_shard_unit(spec) if sharding == "zero3" else 0,
     )
 
 
@@ -200,7 +223,7 @@ def case_estimate(case: Case, model_size: str, kept: int) -> int | None:
     """``estimate_peak`` of ``case`` at ``model_size``; None when the meta device cannot run
     its model's forward."""
     try:
-        return estimate_peak(case.model_spec(model_size), case.run_spec(), kept)
+        return estimate_peak(case.model_spec(model_size), case.run_spec(), kept, case.sharding)
     except Exception:  # any model the meta device cannot run: no estimate
         return None
 

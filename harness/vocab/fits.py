@@ -23,6 +23,25 @@ makes of it (4 + 4) and the moments (8)."""
 GRAD_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2}
 """Bytes per parameter of one step's gradients a run keeps for the comparison (``keep_grads``:
 the model's gradients, in the compute dtype)."""
+ZERO3_STATE_BYTES = 16
+"""Device bytes per parameter of a ZeRO-3 run (FSDP2, ``harness.models.train``) besides its
+activations, in either precision: the fp32 sharded weight and its fp32 gradient (4 + 4) and
+Adam's two moments (8); there is no master copy. At world size 1 the shard is the whole."""
+ZERO3_GRAD_BYTES = 4
+"""Bytes per parameter of one step's gradients a ZeRO-3 run keeps: the local shards of its fp32
+gradients (FSDP2 reduce-scatters them in fp32 into the fp32 sharded parameters), in bf16 too."""
+ZERO3_UNIT_BYTES: dict[str, int] = {"fp32": 16, "bf16": 10}
+"""Device bytes per parameter of FSDP2's largest unit (a layer, or the root's own parameters)
+that FSDP2 holds on top, as the design has it: the unit's all-gathered copy in the compute dtype
+and the prefetched next unit's (2 x 2 B in bf16), its unsharded gradient in the compute dtype
+(2 B) and that gradient cast to fp32 for the reduce-scatter (4 B); in fp32 the copies are 4 B."""
+ZERO3_EARLIER_RUNS = 2
+"""Earlier trainings of a case still holding their weights while the offload run peaks: a ZeRO-3
+model lives in reference cycles (FSDP2's state and its parameters' module infos refer back to the
+module), so its sharded fp32 weights (4 B per parameter, measured on the CPU:
+``tests/unit/test_gpu_budget.py``) outlive ``train`` until Python's cyclic collector runs, and the
+plain baseline and the hooks run come before the offload run (``harness.execute.steps``; the
+memory check collects before its own readings)."""
 BACKWARD_TRANSIENT = 0.25
 """A pass's backward briefly holds gradients of its activations beside them: a quarter of one
 pass's activations. On the H100 (2026-12-06) the memory check's peak of the last step stood
@@ -47,6 +66,8 @@ def case_peak_bytes(
     model: ModelSpec,
     run: RunSpec,
     kept_runs: int,
+    sharding: str = "none",
+    largest_unit: int = 0,
 ) -> int:
     """Device bytes a case's trainings hold at their peak, from ``parameters`` (the model's
     count) and ``pass_activations`` (what autograd saves in one pass's forward, parameters
@@ -55,9 +76,18 @@ def case_peak_bytes(
     (``BACKWARD_TRANSIENT``), its data (``run_bytes``) and the per-step gradients of the
     ``kept_runs`` runs whose gradients are kept at once (the shared plain baseline's, the
     running one's, and a layout baseline's where one is made: ``harness.execute.steps``).
-    Pure arithmetic, Python ints."""
-    kept = kept_runs * run.steps * parameters * GRAD_BYTES[run.precision]
-    state = parameters * STATE_BYTES[run.precision]
+
+    Sharding ``zero3`` (FSDP2) keeps fp32 gradients (``ZERO3_GRAD_BYTES``) and fp32 state
+    (``ZERO3_STATE_BYTES``), and adds FSDP2's buffers of its ``largest_unit`` (the parameters of
+    its largest ``fully_shard`` unit, ``ZERO3_UNIT_BYTES``) and the weights of the earlier
+    trainings not yet collected (``ZERO3_EARLIER_RUNS``). Pure arithmetic, Python ints."""
+    zero3 = sharding == "zero3"
+    grad_bytes = ZERO3_GRAD_BYTES if zero3 else GRAD_BYTES[run.precision]
+    kept = kept_runs * run.steps * parameters * grad_bytes
+    state = parameters * (ZERO3_STATE_BYTES if zero3 else STATE_BYTES[run.precision])
+    if zero3:
+        state += largest_unit * ZERO3_UNIT_BYTES[run.precision]
+        state += ZERO3_EARLIER_RUNS * parameters * 4
     activations = pass_activations * passes_in_flight
     transient = int(pass_activations * BACKWARD_TRANSIENT)
     return kept + state + activations + transient + run_bytes(model, run)

@@ -55,6 +55,21 @@ def test_the_peak_arithmetic() -> None:
     assert case_peak_bytes(**common, run=fp32, kept_runs=2) == 48000 + 16000 + 800 + 100 + data
     bf16 = fp32.replace(precision="bf16")  # 2-byte gradients kept, 20 B of state each
     assert case_peak_bytes(**common, run=bf16, kept_runs=2) == 24000 + 20000 + 800 + 100 + data
+    # ZeRO-3 in bf16: fp32 gradients kept (2 runs x 6 steps x 1000 x 4 B), 16 B of fp32 state
+    # each, FSDP2's buffers of its largest unit (300 parameters x 10 B: two bf16 gathered
+    # copies, a bf16 gradient, its fp32 cast) and two earlier runs' fp32 weights (2 x 4000 B)
+    zero3 = dict(run=bf16, kept_runs=2, sharding="zero3", largest_unit=300)
+    assert case_peak_bytes(**common, **zero3) == (48000 + 16000 + 3000 + 8000 + 800 + 100 + data)
+
+
+def test_the_largest_fsdp2_unit_is_a_layer_or_the_root() -> None:
+    """``fully_shard`` wraps every layer, then the root with what is left: the embedding, the
+    final norm and the head. Counted by hand for one MLP layer (``-``: norm D, fc1 2F x D,
+    fc2 D x F) at D 64, F 128."""
+    layer = 64 + 2 * 128 * 64 + 64 * 128
+    assert budget.largest_shard_unit(ModelSpec(pattern="-", vocab_size=128)) == layer
+    root = 2 * 1024 * 64 + 64  # embedding and head V x D, the final norm D
+    assert budget.largest_shard_unit(ModelSpec(pattern="-", vocab_size=1024)) == root
 
 
 def _saved_on_cpu(spec: ModelSpec, precision: str, chunks: int) -> tuple[int, int]:
