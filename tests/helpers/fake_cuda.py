@@ -28,6 +28,19 @@ TRIGGERED = " (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:202.)
 """What ``PyWarningHandler`` appends to a C++ warning issued without ``verbatim``."""
 
 
+class NoDevice(contextlib.nullcontext):  # type: ignore[type-arg]
+    """``torch.cuda.device`` as a context that does nothing, and a class as the real one is:
+    torch's own code tests ``isinstance(device, torch.cuda.device)``
+    (``torch.cuda._utils._get_device_index``, under ``torch.cuda.current_stream``, which
+    ``harness.util.globalstate`` reads once CUDA is initialised). A lambda here made that
+    ``isinstance`` raise ``TypeError`` on the H100 at afb5c10, in a worker where an earlier test
+    had initialised CUDA."""
+
+    def __init__(self, device: Any = None) -> None:
+        super().__init__()
+        self.idx = 0  # the device index the fake's ``_get_device_index`` gives
+
+
 class FakeCuda:
     """The sync debug mode and the synchronising calls of a CUDA build, on CPU."""
 
@@ -42,7 +55,7 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: self.mode)
         monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", self._set)
         monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
-        monkeypatch.setattr(torch.cuda, "device", lambda device=None: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "device", NoDevice)
         monkeypatch.setattr(
             torch.accelerator, "_get_device_index", lambda *a, **k: 0, raising=False
         )

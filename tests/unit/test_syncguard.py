@@ -133,3 +133,17 @@ def test_a_sync_hit_reads_back_from_its_record() -> None:
     assert syncdetect.SyncHit.from_record(hit.record()) == hit
     with pytest.raises(ValueError, match="unknown \\['stack'\\], missing \\['call'\\]"):
         syncdetect.SyncHit.from_record({"window": "w", "kind": "pack", "stack": "x"})
+
+
+def test_the_fake_leaves_torch_cuda_device_a_class(fake: FakeCuda) -> None:
+    """torch tests ``isinstance(device, torch.cuda.device)`` wherever it reads a device index
+    (``torch.cuda.current_stream()`` once CUDA is initialised, as on a GPU box); a faked
+    ``torch.cuda.device`` that is no class made that raise ``TypeError`` on the H100 at afb5c10
+    (tests/e2e/test_syncguard_case_runs.py). The line that raised, reached here without CUDA."""
+    from torch.cuda._utils import _get_device_index
+
+    assert isinstance(torch.cuda.device, type)
+    assert _get_device_index(torch.device("cuda", 3)) == 3
+    assert _get_device_index(torch.cuda.device(0)) == 0
+    with torch.cuda.device(1):
+        pass
