@@ -184,3 +184,16 @@ def test_address_marks_are_no_fault_where_no_address_is_reused() -> None:
     so the ZeRO-3 catch above is the reuse, not the style."""
     judgement = judge(SEED, Environment(device=CPU, backend="consistent_offloaders:AddressMarks"))
     assert judgement.verdict == "pass", judgement.problems
+
+
+@pytest.mark.usefixtures("shared_runs")
+def test_two_steps_leave_an_undeclared_rule_nothing_to_be_held_to() -> None:
+    """Steps 0 and 1 are the learning steps: with ``--steps 2`` the transfer and cadence checks
+    would judge them by what they taught, so they skip, saying why."""
+    row = SEED.replace(steps=2)
+    judgement = judge(row, Environment(device=CPU, backend="undeclared_offloaders:StorageSkip"))
+    outcomes = {o.name: o for o in judgement.outcomes}
+    for check in ("transfers", "cadence"):
+        assert outcomes[check].status == "skip", outcomes[check]
+        assert "no later step to hold it to (run --steps 3 or more)" in outcomes[check].reason
+    assert outcomes["equivalence"].status == "pass", outcomes["equivalence"].problems

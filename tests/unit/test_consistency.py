@@ -358,3 +358,42 @@ def test_the_reload_layout_is_learned_from_the_learning_steps_only() -> None:
     steps[1].relaid = 1
     rule = learn_from_steps(_observations(), CONFIG, schedule_order("sequential", 1), steps, "cpu")
     assert rule.semantics.reload_layout == "contiguous", rule.line
+
+
+def test_a_layout_change_after_the_learning_steps_is_an_inconsistency() -> None:
+    from types import SimpleNamespace
+
+    from harness.execute.caserun import CaseRun
+
+    rule = SimpleNamespace(steps=(0, 1))
+    run = SimpleNamespace(rule=rule, relaid=(0, 0, 0, 3, 0, 1))
+    assert CaseRun.relaid_inconsistencies(run) == [  # type: ignore[arg-type]
+        "step 3: 3 reloads came back with other strides than the saved tensor's; steps 0 and 1 "
+        "kept the saved strides",
+        "step 5: 1 reloads came back with other strides than the saved tensor's; steps 0 and 1 "
+        "kept the saved strides",
+    ]
+    learned_contiguous = SimpleNamespace(rule=rule, relaid=(2, 2, 2, 0))
+    assert CaseRun.relaid_inconsistencies(learned_contiguous) == [  # type: ignore[arg-type]
+        "step 3: every reload kept the saved strides; its learning steps' came back contiguous"
+    ]
+    declared = SimpleNamespace(rule=None, relaid=(0, 0, 5))
+    assert CaseRun.relaid_inconsistencies(declared) == []  # type: ignore[arg-type]
+
+
+def test_an_unordered_cadence_says_what_was_seen() -> None:
+    from types import SimpleNamespace
+
+    from harness.verify.checks import unordered_reason
+
+    unmarked = Cadence(rule="r", steps=(StepCadence(step=0, unordered=4),), marks=0)
+    reason = unordered_reason(SimpleNamespace(per_step=()), unmarked)  # type: ignore[arg-type]
+    assert reason.startswith("4 reload copies were observed, but the backward of their group")
+    none = Cadence(rule="r", steps=(StepCadence(step=0),), marks=6)
+    stray = _counts({(0, 0, "core_attn"): (0, 8)})
+    reason = unordered_reason(SimpleNamespace(per_step=(stray,)), none)  # type: ignore[arg-type]
+    assert reason.startswith(
+        "no reload of a selected group was ordered: the run's H2D copies (1 in"
+    )
+    reason = unordered_reason(SimpleNamespace(per_step=()), none)  # type: ignore[arg-type]
+    assert reason.startswith("no reload copy was observed in any step, though the rule")
