@@ -72,7 +72,9 @@ def test_windows_are_per_thread_and_no_dummy_thread_is_left(fake: FakeCuda) -> N
     assert guard.hits[0].window.endswith("core_attn (layer 0): unpack")
     assert guard.hits[1].window.endswith("attn_proj (layer 0): commit")
     assert fake.synchronized == ["device"]  # made, not recorded
-    assert set(threading.enumerate()) == before  # the leftover check sees nothing new
+    # the leftover check sees nothing new (a thread of before may have ended meanwhile: the
+    # plugin's per-test timeout timer of the previous test, cancelled, can still be winding down)
+    assert set(threading.enumerate()) - before == set()
 
 
 def test_a_warning_autograd_reports_after_the_windows_is_charged_to_the_backward(
