@@ -288,12 +288,14 @@ class CopyObserver(TorchDispatchMode):
         self.casts: dict[int, list[_Noted]] = {}
         """Storages of saved tensors that are casts of a parameter (a bf16 shadow made for the
         forward), as ``state.weights``."""
-        self.allowed: dict[int, int] = {}
+        self.allowed: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         """Source storage -> bytes the step's D2H copies may read from it: its whole storage
         once per save (or per tensor a pack hook made from a saved one)."""
         self.drawn: dict[int, int] = {}
         """Source storage -> bytes the step's D2H copies read from it."""
         self.over: dict[int, tuple[GroupKey | None, int, int]] = {}
+        self.settled: list[tuple[GroupKey | None, int, int]] = []
+        """Overdraws of storages whose address has since been given to another tensor."""
         self.lock = threading.Lock()
         self._seq = itertools.count()
 
@@ -364,22 +366,41 @@ class CopyObserver(TorchDispatchMode):
                     self.saved[_storage(tensor)] = (group, weakref.ref(tensor))
 
     def _allow(self, tensor: torch.Tensor) -> None:
-        """One more save of ``tensor``: its whole storage may be copied out once more."""
-        address = _storage(tensor)
-        storage = local_tensor(tensor).untyped_storage()
-        self.allowed[address] = self.allowed.get(address, 0) + storage.nbytes()
+        """One more save of ``tensor``: its whole storage may be copied out once more. An entry
+        whose tensor no longer holds that address (freed, the address reused) starts over."""
+        local = local_tensor(tensor)
+        address = _storage(local)
+        nbytes = local.untyped_storage().nbytes()
+        entry = self.allowed.get(address)
+        if entry is not None and _owns(entry[0](), address):
+            self.allowed[address] = (entry[0], entry[1] + nbytes)
+            return
+        self.allowed[address] = (weakref.ref(local), nbytes)
+        self.drawn.pop(address, None)
+        settled = self.over.pop(address, None)
+        if settled is not None:  # the earlier storage's overdraw stays reported
+            self.settled.append(settled)
 
     def _draw(self, src: torch.Tensor, nbytes: int, group: GroupKey | None) -> None:
         """A D2H read ``nbytes`` of ``src``: past what its saves allow, the step notes it
-        (one entry per storage, updated as more is read)."""
+        (one entry per storage, updated as more is read). Only a saved storage still held by a
+        tensor it was saved as is bounded: a buffer the offloader packed itself at an address a
+        freed saved tensor had is not."""
         address = _storage(src)
-        allowed = self.allowed.get(address)
-        if allowed is None:
-            return  # not a saved storage (a buffer the offloader packed itself): no bound
+        entry = self.allowed.get(address)
+        if entry is None:
+            return
+        if not _owns(entry[0](), address):
+            del self.allowed[address]
+            self.drawn.pop(address, None)
+            settled = self.over.pop(address, None)
+            if settled is not None:
+                self.settled.append(settled)
+            return
         drawn = self.drawn[address] = self.drawn.get(address, 0) + nbytes
-        if drawn > allowed:
-            self.over[address] = (group, drawn, allowed)
-            self.observed.overdrawn = list(self.over.values())
+        if drawn > entry[1]:
+            self.over[address] = (group, drawn, entry[1])
+            self.observed.overdrawn = [*self.settled, *self.over.values()]
 
     def __torch_dispatch__(
         self,
