@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -197,12 +197,30 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else tensor
 
 
+ClipGrads = Callable[[list[torch.nn.Parameter], float], object]
+"""Clips the fp32 main weights' gradients to a maximum norm (``_Optimizer``'s ``clip_grads``)."""
+
+
+def clip_locally(main: list[torch.nn.Parameter], max_norm: float) -> object:
+    """Torch's ``clip_grad_norm_`` on one process, per tensor (``foreach=False``)."""
+    return torch.nn.utils.clip_grad_norm_(main, max_norm, foreach=False)
+
+
 class _Optimizer:
     """The optimizer over fp32 weights: the model's own (fp32, or sharded fp32 under ZeRO-3) or
-    master copies (bf16 unsharded)."""
+    master copies (bf16 unsharded). ``clip_grads`` clips them (``clip_locally``; a pipeline stage,
+    ``harness.models.pipeline``, passes one that takes the norm over every stage's gradients)."""
 
-    def __init__(self, model: HybridModel, run: RunSpec, *, master_copies: bool) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        run: RunSpec,
+        *,
+        master_copies: bool,
+        clip_grads: ClipGrads = clip_locally,
+    ) -> None:
         self.model_params = [p for p in model.parameters()]
+        self.clip_grads = clip_grads
         if master_copies:
             self.main = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
         else:
@@ -216,7 +234,7 @@ class _Optimizer:
             for main, param in zip(self.main, self.model_params, strict=True):
                 main.grad = param.grad.float()
         if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.main, self.clip, foreach=False)
+            self.clip_grads(self.main, self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.main is not self.model_params:
