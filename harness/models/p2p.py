@@ -1,0 +1,165 @@
+"""Point-to-point links between pipeline stages on different ranks: a stage's output activations
+forward to the next virtual stage, its input gradients back to the previous one.
+
+``harness.models.pipeline`` runs one rank's part of a pipeline and calls ``StageLinks`` for every
+tensor that crosses a stage boundary. Every message is one tensor of the boundary's fixed shape
+and dtype (the hidden states [B, T, D] in the compute dtype, and their gradient), as Megatron-Core
+fixes ``tensor_shape`` for a whole schedule, so no size travels ahead of it.
+
+Sends are non-blocking (``isend``) and are waited for at the end of the step (``finish``): a rank
+never blocks on a send, only on a receive whose tensor its next pass needs. A schedule in which
+every pass's inputs come from passes earlier in some global order (GPipe, 1F1B, Megatron's
+interleaved 1F1B) therefore cannot deadlock, whatever order the ranks post in. Each message
+carries a tag of its own (``message_tag``: direction, receiving virtual stage, microbatch), so a
+receive matches its send by tag, not by arrival order.
+
+This is the gloo form (CPU ranks). Under NCCL the same unbatched pattern can deadlock (NCCL runs a
+communicator's operations in stream order, so two ranks that each send before they receive wait
+for each other); Megatron-Core batches a step's send and receive into one ``batch_isend_irecv``
+for that. Not done here yet: see docs/multi-rank.md, "Pipeline across ranks".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+FORWARD = 0
+"""A message's direction: an activation into the next virtual stage."""
+BACKWARD = 1
+"""A message's direction: a gradient into the previous virtual stage."""
+
+
+class P2PError(RuntimeError):
+    """A send or receive between stages failed (a peer died, the process group's timeout ran out
+    in a receive): the message names the rank, virtual stage, microbatch and operation."""
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineLayout:
+    """How a model's layers are placed: ``stages`` pipeline ranks (PP), each running ``chunks``
+    model chunks (VPP); ``stages * chunks`` virtual stages in model order. Megatron's interleaved
+    assignment: rank ``r``'s chunk ``c`` is virtual stage ``c * stages + r``, so the activations go
+    round the ranks ``chunks`` times, and virtual stage 0 (the embedding) is rank 0's, the last
+    one (the head and the loss) the last rank's."""
+
+    stages: int
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stages < 2 or self.chunks < 1:
+            raise ValueError(
+                f"a pipeline across ranks needs stages >= 2 and chunks >= 1, got "
+                f"stages={self.stages}, chunks={self.chunks}"
+            )
+
+    @property
+    def virtual_stages(self) -> int:
+        """Virtual stages in the model (``stages * chunks``)."""
+        return self.stages * self.chunks
+
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        """The virtual stage that ``stage``'s model chunk ``chunk`` runs."""
+        return chunk * self.stages + stage
+
+    def owner(self, virtual: int) -> tuple[int, int]:
+        """(stage, chunk) running virtual stage ``virtual``."""
+        chunk, stage = divmod(virtual, self.stages)
+        return stage, chunk
+
+
+def message_tag(direction: int, virtual: int, microbatch: int, virtual_stages: int) -> int:
+    """The tag of the message into virtual stage ``virtual`` for ``microbatch`` going
+    ``direction`` (``FORWARD``, ``BACKWARD``): unique within a step, which is as long as any
+    message lives (``StageLinks.finish``)."""
+    return (microbatch * virtual_stages + virtual) * 2 + direction
+
+
+class StageLinks:
+    """One rank's sends and receives for one pipeline run, over ``group`` (the default group when
+    None; ``stage`` is this rank's rank in it). Boundary tensors are ``shape`` in ``dtype`` on
+    ``device``."""
+
+    def __init__(
+        self,
+        layout: PipelineLayout,
+        stage: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.layout, self.stage, self.group = layout, stage, group
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []
+
+    def send_activation(self, virtual: int, microbatch: int, tensor: torch.Tensor) -> None:
+        """Send virtual stage ``virtual``'s output of ``microbatch`` to the next virtual stage."""
+        self._send(FORWARD, virtual + 1, microbatch, tensor)
+
+    def recv_activation(self, virtual: int, microbatch: int) -> torch.Tensor:
+        """Receive virtual stage ``virtual``'s input of ``microbatch`` from the previous one."""
+        return self._recv(FORWARD, virtual, microbatch)
+
+    def send_gradient(self, virtual: int, microbatch: int, tensor: torch.Tensor) -> None:
+        """Send the gradient of virtual stage ``virtual``'s input to the previous virtual stage."""
+        self._send(BACKWARD, virtual - 1, microbatch, tensor)
+
+    def recv_gradient(self, virtual: int, microbatch: int) -> torch.Tensor:
+        """Receive the gradient of virtual stage ``virtual``'s output from the next one."""
+        return self._recv(BACKWARD, virtual, microbatch)
+
+    def finish(self) -> None:
+        """Wait for every send posted since the last call (the end of a step: each was matched by
+        a receive of the same step, so none outlives it)."""
+        pending, self._pending = self._pending, []
+        for work, _, what in pending:
+            self._wait(work, what)
+
+    def _send(self, direction: int, into: int, microbatch: int, tensor: torch.Tensor) -> None:
+        peer, _ = self.layout.owner(into)
+        what = self._describe("send", direction, into, microbatch, peer)
+        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+            raise P2PError(
+                f"{what}: the tensor is {tuple(tensor.shape)} {tensor.dtype}, the boundary "
+                f"{self.shape} {self.dtype}"
+            )
+        if not tensor.is_contiguous():
+            # The receiver gets it contiguous; a strided original could take other kernels
+            # (other rounding) than on one rank, so this is refused, not silently copied.
+            raise P2PError(f"{what}: the tensor is not contiguous (strides {tensor.stride()})")
+        tag = message_tag(direction, into, microbatch, self.layout.virtual_stages)
+        try:
+            work = dist.isend(tensor, group=self.group, group_dst=peer, tag=tag)
+        except RuntimeError as exc:
+            raise P2PError(f"{what} failed: {exc}") from exc
+        self._pending.append((work, tensor, what))
+
+    def _recv(self, direction: int, into: int, microbatch: int) -> torch.Tensor:
+        source = into - 1 if direction == FORWARD else into + 1
+        peer, _ = self.layout.owner(source)
+        what = self._describe("recv", direction, into, microbatch, peer)
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        tag = message_tag(direction, into, microbatch, self.layout.virtual_stages)
+        try:
+            work = dist.irecv(buffer, group=self.group, group_src=peer, tag=tag)
+        except RuntimeError as exc:
+            raise P2PError(f"{what} failed: {exc}") from exc
+        self._wait(work, what)
+        return buffer
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise P2PError(f"{what} failed: {exc}") from exc
+
+    def _describe(self, op: str, direction: int, into: int, microbatch: int, peer: int) -> str:
+        kind = "activation" if direction == FORWARD else "gradient"
+        side = "to" if op == "send" else "from"
+        return (
+            f"rank {dist.get_rank()} (pipeline stage {self.stage}): {op} of the {kind} into "
+            f"virtual stage {into}, microbatch {microbatch}, {side} stage {peer}"
+        )
