@@ -7,8 +7,8 @@ a fresh tensor with the saved strides; on CUDA the host buffers are pinned and t
 ``non_blocking``. Marked tensors and tensors sharing their storage never move.
 
 ==================  ===========================================================================
-``ThreadCopier``    every copy runs on a one-thread ``ThreadPoolExecutor`` (CUDA: its own stream
-                    after an event of the caller's, synchronized before the worker returns)
+``ThreadCopier``    every copy is issued on a one-thread ``ThreadPoolExecutor`` (CUDA: on its own
+                    stream, ordered by events both ways, no host synchronisation)
 ``LayerSubset``     offloads the selected groups of the first two distinct layers it saw in its
                     first iteration only (TransformerEngine's ``num_layers`` style)
 ``BatchedCopy``     one copy per group occurrence each way: the commit packs the group's saved
@@ -41,9 +41,6 @@ def _reload(device: torch.device, stride: tuple[int, ...], host: torch.Tensor) -
     """A fresh device tensor with the saved strides holding ``host``'s values (``_Base.unpack``)."""
     out = torch.empty_strided(host.shape, stride, dtype=host.dtype, device=device)
     return out.copy_(host, non_blocking=True)
-
-
-# ---------------------------------------------------------------------- 1. ThreadCopier
 
 
 class ThreadCopier(StorageSkip):
@@ -117,9 +114,6 @@ class ThreadCopier(StorageSkip):
         super().close()
 
 
-# ---------------------------------------------------------------------- 2. LayerSubset
-
-
 class LayerSubset(StorageSkip):
     """Offloads the selected groups of the first two distinct layers that open a selected group
     in its first iteration (learned once, kept for every later one); other layers' selected
@@ -150,9 +144,6 @@ class LayerSubset(StorageSkip):
         if self.layers:
             self.learning = False  # the first iteration that saw a selected group decided
         super().end_iteration()
-
-
-# ---------------------------------------------------------------------- 3. BatchedCopy
 
 
 class _Batch:
@@ -260,9 +251,6 @@ class BatchedCopy(StorageSkip):
         return out
 
 
-# ---------------------------------------------------------------------- 4./5. flawed
-
-
 class AddressMarks(StorageSkip):
     """Keeps its marks as raw storage addresses and compares a saved tensor's storage address to
     them. Flawed: FSDP2 frees and reuses parameter addresses, so activations can be skipped at
@@ -327,9 +315,6 @@ class AddressDedup(StorageSkip):
     def close(self) -> None:
         self.copies.clear()
         super().close()
-
-
-# ---------------------------------------------------------------------- 6./7. prefetching
 
 
 class _Pending:
@@ -463,9 +448,6 @@ class TwoAhead(StorageSkip):
         super().close()
 
 
-# ---------------------------------------------------------------------- 8./9.
-
-
 class ByteThreshold(StorageSkip):
     """Keeps a tensor of fewer than ``4 * min_offloaded_tensor_size`` bytes on the device: a
     bf16 tensor needs twice the elements of a float32 one to move."""
@@ -519,9 +501,6 @@ CORRECT = (
     ChunkedCopy,
 )
 FLAWED = (AddressMarks, AddressDedup)
-
-
-# ---------------------------------------------------------------------- broken twins
 
 
 class SubsetDrifts(LayerSubset):
