@@ -22,6 +22,7 @@ import contextlib
 import importlib
 import json
 import signal
+import sqlite3
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -55,6 +56,7 @@ from harness.run import budget, settings
 from harness.run.peaks import PeakStore
 from harness.run.session import run_cases
 from harness.tools import TOOLS
+from harness.tools import trend as trend_tool
 from harness.util.bytecode import missing_bytecode
 from harness.verify.judge import judge
 from harness.vocab.fits import check_fits
@@ -140,6 +142,12 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run cases and write a report")
     settings.add_arguments(
         run, (*RUN_SETTINGS, "matrix", "models", "jobs", "case_timeout", "update_golden")
+    )
+    run.add_argument(
+        "--history",
+        type=Path,
+        help="append the run to this SQLite history when it ends (created if missing; "
+        "compare with `offload-harness trend`)",
     )
     run.add_argument(
         "--case",
@@ -350,6 +358,7 @@ def command_run(args: argparse.Namespace) -> int:
     plan, store = _memory_plan(cases, env, args.settings.jobs)
     if plan is not None:
         jobs = plan.workers
+    _check_history(args)
     folder = _claim_folder(args.settings.report_dir)
     fields = _summary_fields(args, env, cases)
     if plan is not None:
@@ -372,9 +381,43 @@ def command_run(args: argparse.Namespace) -> int:
         print(f"\n{status} after {len(progress.finished())} of {len(cases)} cases; {where}")
         return stopped
     failed = _print_outcome(summary, len(cases), where)
-    if report.failed and not stopped:
+    recorded = _record_history(args, report, status)
+    if (report.failed or not recorded) and not stopped:
         return REPORT_INCOMPLETE
     return 1 if failed or status != "complete" else 0
+
+
+def _check_history(args: argparse.Namespace) -> None:
+    """``--history``: usable (created and migrated where missing) before any training, and a
+    report folder to read the run from."""
+    if args.history is None:
+        return
+    if args.settings.report_dir is None:
+        raise UsageError("--history reads the run's summary.json: --report-dir '' writes none")
+    try:
+        trend_tool.check_history(args.history, create=True)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _record_history(args: argparse.Namespace, report: _ReportWriter, status: str) -> bool:
+    """Append the finished run (its summary.json) to ``--history``; False where it could not
+    be (one line on stderr). A run that did not complete, or whose report is incomplete, is
+    not recorded (said on the console)."""
+    if args.history is None or report.folder is None:
+        return True
+    if status != "complete" or report.failed:
+        print(f"history: run not recorded in {args.history} (status {status})")
+        return True
+    try:
+        summary = trend_tool.read_json(report.folder, "summary")
+        run_id = trend_tool.record(args.history, summary, source="run", report=report.folder)
+    except (ValueError, OSError, sqlite3.Error) as exc:
+        why = " ".join(str(exc).split())
+        print(f"offload-harness: history not recorded: {why}", file=sys.stderr, flush=True)
+        return False
+    print(f"history: recorded run #{run_id} in {args.history}")
+    return True
 
 
 def _claim_folder(root: Path | None) -> Path | None:

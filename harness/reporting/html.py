@@ -118,6 +118,7 @@ def render_index(folder: Path) -> Path:
     links = [("summary.json", "summary.json")]
     links += [(n, n) for n in ("junit.xml",) if (folder / n).exists()]
     links += [("repro bundle", "repro/")] if (folder / "repro").is_dir() else []
+    links += [("trend page", "trend.html")] if (folder / "trend.html").is_file() else []
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>offload-harness report {_e(folder.name)}</title><style>{_STYLE}</style>",

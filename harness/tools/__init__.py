@@ -1,7 +1,8 @@
 """The harness's tools beside ``run`` and ``repro``, each a module with ``main(argv)`` and an
 ``offload-harness`` subcommand: ``bench`` (step time and copy rates), ``mutation-score``
 (detection power), ``nightly`` (the gate), ``host-profile`` (cProfile of steady steps) and
-``time-budget`` (the ways to a verdict timed against their budgets).
+``time-budget`` (the ways to a verdict timed against their budgets) and ``trend`` (the
+newest run of a history against the earlier ones).
 ``scripts/`` keeps thin wrappers of the same names."""
 
 TOOLS = {
@@ -10,5 +11,6 @@ TOOLS = {
     "nightly": "harness.tools.nightly",
     "host-profile": "harness.tools.host_profile",
     "time-budget": "harness.tools.timebudget",
+    "trend": "harness.tools.trend",
 }
 """Subcommand -> module."""

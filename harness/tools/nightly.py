@@ -21,13 +21,20 @@ exits non-zero on any of:
   turns this off). To seed a new machine: ``scripts/nightly --allow-missing-golden --
   --update-golden`` once, review and commit ``cases/golden/<fingerprint>/``.
 
-Exit codes: 0 green, 1 red, 2 bad usage. The last line printed is the report folder.
+With ``--history PATH`` the night is appended to that SQLite history (created if missing;
+``--bench FILE`` adds a ``bench.json``'s variants to it) and compared with the last ``--last``
+nights of its fingerprint (``offload-harness trend``): a flagged regression is red too, unless
+``--trend warn``; the trend page is written into the report folder (``trend.html``).
+
+Exit codes: 0 green, 1 red, 2 bad usage (an unusable history included, before anything runs).
+The last line printed is the report folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -36,8 +43,10 @@ from typing import Any
 import torch
 
 from harness.cases import Case, matrix
+from harness.reporting.html import render_index
 from harness.reporting.report import folder_name, given_commit
 from harness.run import settings
+from harness.tools import trend as trend_tool
 
 REPO = Path(__file__).resolve().parents[2]
 """The checkout whose ``cases/`` the gate runs."""
@@ -124,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a case with no golden trace for this machine's fingerprint is not red "
         "(for seeding a new machine)",
     )
+    parser.add_argument(
+        "--history",
+        type=Path,
+        help="append the night to this SQLite history and compare it with the earlier nights",
+    )
+    parser.add_argument("--bench", type=Path, help="with --history: record this bench.json too")
+    trend_tool.add_trend_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = parser.parse_args(argv)
@@ -134,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if settings.resolve_report_dir(args.report_dir) is None:
             raise settings.SettingError("--report-dir: the gate reads the report; name a folder")
         given_commit()  # the folder name below reads it
+        bench = _history_inputs(args)
     except ValueError as exc:  # a SettingError, or a malformed OFFLOAD_HARNESS_COMMIT
         print(f"offload-harness nightly: error: {exc}", file=sys.stderr)
         return 2
@@ -151,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = json.loads(path.read_text()) if path.is_file() else None
     expected = expected_cases(matrix(args.matrix), ranks)
     reasons = gate(summary, expected, status, require_golden=not args.allow_missing_golden)
+    if args.history is not None and summary is not None:
+        reasons += _trend(args, summary, folder, bench)
     where = f"{'GPUs: ' + str(gpus) if gpus else 'CPU'}, matrix {args.matrix}"
     print()
     if reasons:
@@ -161,6 +180,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nightly: green ({where}): {cases} cases, every expected case ran and passed")
     print(f"report: {folder}")
     return 1 if reasons else 0
+
+
+def _history_inputs(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--history`` usable (created, migrated) and ``--bench`` read, before anything runs."""
+    if args.history is None:
+        if args.bench is not None:
+            raise settings.SettingError("--bench is recorded into --history: name one")
+        return None
+    trend_tool.check_history(args.history, create=True, dry=args.dry_run)
+    return trend_tool.read_json(args.bench, "bench") if args.bench is not None else None
+
+
+def _trend(
+    args: argparse.Namespace, summary: dict[str, Any], folder: Path, bench: dict[str, Any] | None
+) -> list[str]:
+    """Record the night and compare it with the earlier ones; why that makes it red (empty:
+    it does not, or ``--trend warn``)."""
+    print()
+    if summary.get("status", "complete") != "complete":
+        print(f"history: night not recorded (status {summary.get('status')})")
+        return []
+    try:
+        run_id = trend_tool.record(
+            args.history, summary, source="nightly", report=folder, bench=bench
+        )
+        print(f"history: recorded run #{run_id} in {args.history}")
+        found = trend_tool.compare(args.history, last=args.last, streak=args.streak, html=folder)
+    except (ValueError, OSError, sqlite3.Error) as exc:
+        return [f"history: {' '.join(str(exc).split())}"]
+    print(trend_tool.trends.render_text(found))
+    try:
+        render_index(folder)  # index.html links the trend page now
+    except (OSError, ValueError) as exc:
+        print(f"nightly: index.html not re-rendered: {exc}")
+    if found.flags and args.trend == "fail":
+        return [f"trend: {len(found.flags)} flag(s) (see above; --trend warn reports only)"]
+    return []
 
 
 if __name__ == "__main__":
