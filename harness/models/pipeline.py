@@ -59,6 +59,7 @@ from harness.models.train import (
     schedule_order,
 )
 from harness.offload.protocol import Offloader, model_chunk_of
+from harness.vocab.impls import IMPLS
 from harness.vocab.spec import SCHEDULES, ModelSpec, RunSpec, chunk_layers, model_chunks
 
 Order = list[tuple[str, int]]
@@ -165,7 +166,7 @@ class ClipAcrossStages:
 
 def check_pipeline(spec: ModelSpec, run: RunSpec, layout: PipelineLayout) -> None:
     """Refuse, before any training, what ``train_pipeline`` does not run (module docstring)."""
-    if spec.impl != "harness":
+    if not IMPLS[spec.impl].ours:
         raise ValueError(
             f"a pipeline across ranks runs the harness's own models (impl 'harness'), not "
             f"{spec.impl!r}"

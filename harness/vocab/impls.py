@@ -53,9 +53,14 @@ class ModelImpl:
     None when it runs wherever torch does."""
 
     @property
+    def ours(self) -> bool:
+        """Whether it is the harness's own models (``harness.models``), not a framework's."""
+        return self is _IMPLS[0]
+
+    @property
     def case_prefix(self) -> str:
         """What its rows' case ids start with: nothing for ours, ``<name>-`` for the others."""
-        return "" if self is _IMPLS[0] else f"{self.name}-"
+        return "" if self.ours else f"{self.name}-"
 
     def train_function(self) -> Callable[..., Any]:
         """Its ``harness.models.runs.Trainer`` (imported now)."""
