@@ -213,6 +213,10 @@ def _stale_mark(state: _WindowState, tensor: torch.Tensor) -> int | None:
     return entry[1]
 
 
+REUSED = "an offloader keying its copies by address goes stale when storage is reused"
+"""How a reload's record says its storage address held another saved tensor before."""
+
+
 def _reused_address(state: _WindowState, tensor: torch.Tensor, key: GroupKey) -> str:
     """Where ``tensor``'s storage address held an earlier saved tensor that no longer owns it
     (empty: it did not), and note ``tensor`` there: what names an address-keyed dedup's stale
@@ -232,8 +236,7 @@ def _reused_address(state: _WindowState, tensor: torch.Tensor, key: GroupKey) ->
     mb, layer, name = entry[1]
     return (
         f"its storage address held a tensor saved by group {name} (microbatch {mb}, layer "
-        f"{layer}) in step {entry[2]}, freed since; an offloader keying its copies by address "
-        "goes stale when storage is reused"
+        f"{layer}) in step {entry[2]}, freed since; {REUSED}"
     )
 
 

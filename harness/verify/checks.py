@@ -24,6 +24,7 @@ from harness.execute.cadence import Cadence
 from harness.execute.caserun import CaseRun, attribution_mismatches
 from harness.execute.environment import Environment
 from harness.execute.predict import predict
+from harness.measure.observe import REUSED
 from harness.measure.transfers import Counts
 from harness.models.train import schedule_order
 from harness.offload.semantics import GroupKey
@@ -59,14 +60,8 @@ def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str
                 "every step, whatever the offloader's own rule):",
                 *res.steady_proof,
             ]
-        return out
-    problems = []
-    if res.corrupted:
-        step, where = res.corrupted[0]
-        problems.append(
-            f"{len(res.corrupted)} reloads differ from what was saved (checksums at pack and "
-            f"unpack, {res.checksummed} compared); the first: step {step}, {where}"
-        )
+        return out + corrupted_lines(res)  # what did move may have come back wrong too
+    problems = corrupted_lines(res)
     if not res.verdict.ok:
         problems.append(res.verdict.message)
     if res.grad_difference is not None:
@@ -82,6 +77,25 @@ def equivalence_problems(case: Case, res: CaseRun, env: Environment) -> list[str
         problems.append(loss_table(res.baseline.losses, res.offload.losses))
         problems.append(repro_hint(case, env))
     return problems
+
+
+def corrupted_lines(res: CaseRun) -> list[str]:
+    """The reloads that differ from what was saved: how many, the first, and - where reloads
+    at a reused storage address are among them but not first - the first of those."""
+    if not res.corrupted:
+        return []
+    step, where = res.corrupted[0]
+    lines = [
+        f"{len(res.corrupted)} reloads differ from what was saved (checksums at pack and "
+        f"unpack, {res.checksummed} compared); the first: step {step}, {where}"
+    ]
+    reused = [(s, w) for s, w in res.corrupted if REUSED in w]
+    if reused and reused[0] != res.corrupted[0]:
+        lines.append(
+            f"{len(reused)} of them were saved at a storage address another saved tensor had "
+            f"held, freed since; the first: step {reused[0][0]}, {reused[0][1]}"
+        )
+    return lines
 
 
 def inert_copies(res: CaseRun) -> str:

@@ -126,8 +126,8 @@ BROKEN = [
 @pytest.mark.parametrize(
     ("flaw", "row", "check", "pattern"),
     [
-        # a copy keyed by address: another tensor's copy comes back, and the reload names
-        # whose address it was
+        # a copy keyed by address: another tensor's copy comes back, and a reload that differs
+        # names whose address it was (the first such, where it is not the first that differs)
         (
             "AddressDedup",
             SEED,
