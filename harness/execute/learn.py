@@ -23,9 +23,12 @@ both exactly:
   by the cadence check.
 
 Every later step, microbatch and pass is then held to that rule exactly as a declared rule is
-held (``harness.execute.caserun.CaseRun.step_mismatches``). Copies that no single rule explains - a
-group moved in one step and not the next, two same-sized eligible tensors of which one moves - are a
-transfer failure naming the closest rule and where it differs.
+held (``harness.execute.caserun.CaseRun.step_mismatches``). Where no single rule explains the
+learning steps' copies (a tensor copied in pieces, a choice the family does not list), the family
+only explains: the offloader is held to its own learning steps instead
+(``harness.execute.consistency``; ``ObservedRule.own``), its line says what was observed, and the
+closest rule is kept in the report (``ObservedRule.closest``). The family also holds a layer
+subset, one batched copy per group occurrence and a threshold in bytes.
 
 What learning may not absorb, and why (each stays an absolute check, whatever was learned):
 
@@ -40,7 +43,9 @@ What learning may not absorb, and why (each stays an absolute check, whatever wa
 * **nothing moves when disabled, nothing outside the selected names**: the candidate rules only
   ever move selected groups, so a copy elsewhere has no rule that explains it;
 * **consistency**: one rule for every step - the warmup and first steady step choose it, the
-  rest must follow it.
+  rest must follow it;
+* **no saved storage copied out more than its saves hold** (``Observed.overdrawn``): doubling
+  every copy is a consistent rule of its own, and still wrong.
 
 A bug that is a consistent rule of its own within these freedoms (a wrong fraction applied
 every step, a threshold of its own) is indistinguishable from a design choice without a
