@@ -60,6 +60,7 @@ from harness.measure.syncguard import (
     SyncGuard,
     guarded_steps_hooks,
 )
+from harness.measure.threads import unwatched
 from harness.measure.transfers import TransferCounts
 from harness.models.train import TrainResult, schedule_order, train
 from harness.offload.layout import LayoutBaseline
@@ -370,14 +371,17 @@ class _CaseSteps:
             overdrawn=self.overdrawn(seen),
             warmup_expected=self.warmup,
             warmup_transfers=attribution.warmup,
-            proof_problems=offload_proof(
-                case,
-                self.spec,
+            proof_problems=with_unwatched(
                 attribution.warmup,
-                self.run.microbatches,
-                semantics,
-                self.env.device,
-                self.warmup,
+                offload_proof(
+                    case,
+                    self.spec,
+                    attribution.warmup,
+                    self.run.microbatches,
+                    semantics,
+                    self.env.device,
+                    self.warmup,
+                ),
             ),
             steady_proof=self.steady_proof(per_step),
             observations=self.observations,
@@ -440,6 +444,22 @@ class _CaseSteps:
             self.case.offload,
             lambda p: pass_label(p, schedule),
         )
+
+
+def with_unwatched(warmup: TransferCounts, problems: list[str]) -> list[str]:
+    """``problems`` of the offload proof, and - where the warmup step showed no copy at all -
+    the threads of the process that carry no relay to the copy observer
+    (``harness.measure.threads.unwatched``: started before the harness could watch them), whose
+    copies would go unseen."""
+    seen = any(c.copies for c in warmup.totals().values())
+    threads = unwatched() if problems and not seen else []
+    if not threads:
+        return problems
+    return [
+        *problems,
+        f"(threads started before the harness watched them, whose copies it cannot see: "
+        f"{', '.join(sorted(threads)[:5])})",
+    ]
 
 
 def _dropped_copies(result: CaseRun, offload: TrainResult, layout: TrainResult | None) -> CaseRun:

@@ -397,3 +397,22 @@ def test_an_unordered_cadence_says_what_was_seen() -> None:
     )
     reason = unordered_reason(SimpleNamespace(per_step=()), none)  # type: ignore[arg-type]
     assert reason.startswith("no reload copy was observed in any step, though the rule")
+
+
+def test_a_proof_with_nothing_seen_names_the_threads_the_observer_cannot_see(monkeypatch) -> None:
+    import harness.execute.steps as steps
+
+    monkeypatch.setattr(steps, "unwatched", lambda: ["early-pool_0"])
+    nothing = TransferCounts({})
+    problems = [
+        "microbatch 0: no core_attn group moved bytes both ways in the profiled warmup step"
+    ]
+    assert steps.with_unwatched(nothing, problems) == [
+        *problems,
+        "(threads started before the harness watched them, whose copies it cannot see: "
+        "early-pool_0)",
+    ]
+    # something was seen, or nothing is wrong: no such line
+    seen = _counts({(0, 0, "core_attn"): (8, 8)})
+    assert steps.with_unwatched(seen, problems) == problems
+    assert steps.with_unwatched(nothing, []) == []
