@@ -4,10 +4,12 @@ Per figure of each case (``FIGURES``) the earlier runs' values give a band:
 
 * centre: their median;
 * spread: the median absolute deviation from it, scaled by 1.4826 (a normal distribution's
-  standard deviation) and by ``n / (n - 0.8)`` for the small counts a history has; and, where it
-  is larger, the figure's pooled relative spread (the median over the cases of spread / median)
-  times this case's median, so a case that happened to be quiet on a few nights is not held to
-  a narrower band than its figure shows across the cases;
+  standard deviation) and by ``n / (n - 0.8)`` for the small counts a history has, or where
+  larger the median pairwise difference scaled by 1.0483 (the MAD of three values is their
+  smaller deviation: one quiet pair beside a wild value would make a band too narrow); and,
+  where it is larger, the figure's pooled relative spread (the median over the cases of
+  spread / median) times this case's median, so a case that happened to be quiet on a few
+  nights is not held to a narrower band than its figure shows across the cases;
 * half-width: ``K_SPREADS`` spreads, at least ``FLOOR_QUANTA`` quanta of the figure's
   resolution (a millisecond for the seconds a summary rounds to, one byte, an ulp of the median
   for an unrounded float), so identical histories do not flag the last digit.
@@ -45,6 +47,8 @@ MIN_HISTORY = 3
 """Earlier values a figure needs for a band."""
 MAD_TO_SIGMA = 1.4826
 """MAD times this estimates a normal distribution's standard deviation."""
+PAIRS_TO_SIGMA = 1.0483
+"""The median pairwise absolute difference times this estimates it too."""
 DEFAULT_LAST = 10
 DEFAULT_STREAK = 3
 
@@ -215,7 +219,7 @@ class Trend:
 # --------------------------------------------------------------------------------- the band
 
 
-def spread(values: Sequence[float]) -> float:
+def mad_spread(values: Sequence[float]) -> float:
     """1.4826 x the median absolute deviation from the median, x ``n / (n - 0.8)`` (the
     small-sample correction); 0 for fewer than two values."""
     n = len(values)
@@ -224,6 +228,23 @@ def spread(values: Sequence[float]) -> float:
     centre = statistics.median(values)
     mad = statistics.median(abs(v - centre) for v in values)
     return MAD_TO_SIGMA * mad * n / (n - 0.8)
+
+
+def pairwise_spread(values: Sequence[float]) -> float:
+    """1.0483 x the median of the absolute differences of all pairs (Shamos' estimator, scaled
+    to a normal's standard deviation); 0 for fewer than two values."""
+    if len(values) < 2:
+        return 0.0
+    gaps = [abs(a - b) for a, b in itertools.combinations(values, 2)]
+    return PAIRS_TO_SIGMA * statistics.median(gaps)
+
+
+def spread(values: Sequence[float]) -> float:
+    """The larger of ``mad_spread`` and ``pairwise_spread``. At the few values a history has
+    the MAD alone understates the spread: of three values it is the smaller of the two
+    deviations from the median, so one quiet pair beside a wild value makes a band too narrow
+    for the next ordinary run; the pairwise median sees the wild value as the spread it is."""
+    return max(mad_spread(values), pairwise_spread(values))
 
 
 def floor(median: float, quantum: float) -> float:
@@ -439,14 +460,24 @@ def _fmt(value: float, unit: str) -> str:
 # ----------------------------------------------------------------------- from the database
 
 
-def load(conn: sqlite3.Connection, fingerprint: str | None = None) -> History:
-    """The history of ``fingerprint`` (default: the newest run's) from an open history."""
+def load(
+    conn: sqlite3.Connection, fingerprint: str | None = None, *, upto: int | None = None
+) -> History:
+    """The history of ``fingerprint`` (default: the newest run's, or run ``upto``'s) from an
+    open history; with ``upto``, its runs up to that one (which becomes the newest)."""
+    if upto is not None:
+        row = conn.execute("SELECT fingerprint FROM runs WHERE id = ?", (upto,)).fetchone()
+        if row is None:
+            raise ValueError(f"no run #{upto} in the history")
+        if fingerprint is not None and fingerprint != row[0]:
+            raise ValueError(f"run #{upto} is of fingerprint {row[0]}, not {fingerprint}")
+        fingerprint = str(row[0])
     if fingerprint is None:
         newest = conn.execute("SELECT fingerprint FROM runs ORDER BY id DESC LIMIT 1").fetchone()
         if newest is None:
             raise ValueError("the history holds no run")
         fingerprint = str(newest[0])
-    found = db.runs(conn, fingerprint)
+    found = [r for r in db.runs(conn, fingerprint) if upto is None or r["id"] <= upto]
     if not found:
         known = ", ".join(db.fingerprints(conn)) or "none"
         raise ValueError(f"no run of fingerprint {fingerprint} in the history (it has: {known})")

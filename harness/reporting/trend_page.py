@@ -1,21 +1,25 @@
 """The trend page: ``trend.html`` and ``trend-plots/*.png``, drawn from the analysis of
 ``harness.reporting.trend`` (matplotlib, Agg).
 
-One small plot per figure over the nights. Each case (or bench variant) is a line of its value's
-place in its own band, ``(value - median) / half-width``, so every band is the same shaded strip
-from -1 to 1 whatever the unit; values beyond +-``CLIP`` are drawn at the edge. The newest run is
-the last night; a flagged value is marked with a red cross and named. Below the plots, a table
-of every flag with its values in the figure's unit, and the bands of the newest run.
+One image, ``trend.png``: a small plot per figure over the nights. Each case (or bench variant)
+is a line of its value's place in its own band, ``(value - median) / half-width``, so every
+band is the same shaded strip from -1 to 1 whatever the unit; values beyond +-``CLIP`` are drawn
+at the edge. The newest run is the last night; a flagged value is marked with a red cross and
+named. Above it on the page: the trend's console text (every flag with its band and nights)
+and the nights compared; below it, the newest run's bands in the figures' units.
 """
 
 from __future__ import annotations
 
 import html
+import math
 from pathlib import Path
 from typing import Any
 
 from harness.reporting.trend import FIGURES, Figure, Trend, render_text
 
+COLUMNS = 4
+"""Small plots a row."""
 CLIP = 4.0
 """Band positions beyond +-CLIP are drawn at the edge."""
 DPI = 80
@@ -26,7 +30,7 @@ body { font-family: sans-serif; font-size: 13px; margin: 1.5em; }
 table { border-collapse: collapse; }
 td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; vertical-align: top; }
 th { background: #eee; } .flag { color: #b00; }
-.plots img { width: 360px; border: 1px solid #ddd; margin: 3px; }
+.plots img { max-width: 100%; border: 1px solid #ddd; margin: 3px; }
 pre { background: #f6f6f6; padding: 6px; white-space: pre-wrap; font-size: 11px; }
 """
 
@@ -57,67 +61,79 @@ def positions(trend: Trend, figure: Figure) -> dict[str, list[tuple[int, float]]
     return out
 
 
-def plot_figure(plt: Any, trend: Trend, figure: Figure, path: Path) -> Path | None:
-    """The figure's plot into ``path`` (None where no series has a band)."""
-    lines = positions(trend, figure)
-    if not lines:
-        return None
+def draw_figure(ax: Any, trend: Trend, figure: Figure) -> None:
+    """``figure``'s small plot on ``ax``: each series' place in its band over the nights."""
     flagged = {f.series for f in trend.flags if f.kind == "band" and f.what == figure.key}
     nights = [*trend.window, trend.newest]
-    fig, ax = plt.subplots(figsize=(4.5, 2.6))
-    ax.axhspan(-1, 1, color="tab:green", alpha=0.15, label="band")
+    ax.axhspan(-1, 1, color="tab:green", alpha=0.15)
     ax.axhline(0, color="0.5", linewidth=0.6)
-    for series, points in lines.items():
+    named = 0
+    for series, points in positions(trend, figure).items():
         xs = [i for i, _ in points]
         ys = [max(-CLIP, min(CLIP, y)) for _, y in points]
         bad = series in flagged
-        ax.plot(
-            xs,
-            ys,
-            marker=".",
-            linewidth=1.4 if bad else 0.8,
-            color="tab:red" if bad else "0.45",
-            alpha=1.0 if bad else 0.6,
+        style = (
+            {"linewidth": 1.4, "color": "tab:red"} if bad else {"linewidth": 0.8, "color": "0.5"}
         )
+        ax.plot(xs, ys, marker=".", markersize=3, **style)
         if bad:
-            ax.plot(xs[-1], ys[-1], "x", color="red", markersize=9, markeredgewidth=2)
+            ax.plot(xs[-1], ys[-1], "x", color="red", markersize=8, markeredgewidth=2)
             ax.annotate(
                 _short(series),
                 (xs[-1], ys[-1]),
-                fontsize=6,
+                fontsize=5,
                 color="red",
-                xytext=(-4, -9 if ys[-1] > 0 else 5),
+                xytext=(-6, (-9 if ys[-1] > 0 else 4) + (-7 if ys[-1] > 0 else 7) * named),
                 textcoords="offset points",
                 ha="right",
             )
+            named += 1
     ax.set_ylim(-CLIP - 0.3, CLIP + 0.3)
     ax.set_xticks(range(len(nights)), [f"#{n.run_id}" for n in nights], fontsize=6)
     ax.tick_params(axis="y", labelsize=6)
-    ax.set_ylabel("(value - median) / half-width", fontsize=6)
     worse = {1: "up is worse", -1: "down is worse", 0: "tracked"}[figure.bad]
-    ax.set_title(f"{figure.label} ({figure.kind}; {worse})", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    ax.set_title(f"{figure.label}\n({figure.kind}; {worse})", fontsize=7)
 
 
 def _short(series: str, width: int = 28) -> str:
     return series if len(series) <= width else series[: width - 3] + "..."
 
 
-def render_plots(trend: Trend, folder: Path) -> list[tuple[Figure, Path]]:
-    """One plot per figure that has a band, flagged figures first."""
-    folder.mkdir(parents=True, exist_ok=True)
+def plotted(trend: Trend) -> list[Figure]:
+    """The figures with a band, flagged ones first."""
     flagged = {f.what for f in trend.flags if f.kind == "band"}
-    order = sorted(FIGURES, key=lambda f: (f.key not in flagged, FIGURES.index(f)))
+    keys = {key for _, key in trend.bands}
+    found = [f for f in FIGURES if f.key in keys]
+    return sorted(found, key=lambda f: (f.key not in flagged, FIGURES.index(f)))
+
+
+def render_plots(trend: Trend, folder: Path) -> list[Path]:
+    """``trend.png``: one small plot per figure with a band (``COLUMNS`` a row), flagged ones
+    first; [] where none has a band."""
+    figures = plotted(trend)
+    if not figures:
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
     plt = _pyplot()
-    out = []
-    for figure in order:
-        path = plot_figure(plt, trend, figure, folder / f"{figure.key}.png")
-        if path is not None:
-            out.append((figure, path))
-    return out
+    rows = math.ceil(len(figures) / COLUMNS)
+    fig, axes = plt.subplots(rows, COLUMNS, figsize=(COLUMNS * 3.2, rows * 2.3), squeeze=False)
+    for ax, figure in zip(axes.flat, figures, strict=False):
+        draw_figure(ax, trend, figure)
+    for ax in list(axes.flat)[len(figures) :]:
+        ax.set_visible(False)
+    for row in axes:
+        row[0].set_ylabel("(value - median)\n/ half-width", fontsize=6)
+    fig.suptitle(
+        f"run #{trend.newest.run_id} against runs "
+        + ", ".join(f"#{n.run_id}" for n in trend.window)
+        + f" ({trend.history.fingerprint}): each line a case, band shaded, flagged night x",
+        fontsize=8,
+    )
+    fig.tight_layout()
+    path = folder / "trend.png"
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return [path]
 
 
 def _e(value: Any) -> str:
@@ -144,7 +160,7 @@ def write_trend_page(trend: Trend, folder: Path, *, plots: bool = True) -> Path:
     """``folder/trend.html`` and (with ``plots``) its plots; returns the page's path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    drawn: list[tuple[Figure, Path]] = []
+    drawn: list[Path] = []
     note = "" if plots else "<p>No plots: OFFLOAD_HARNESS_PLOTS=0.</p>"
     try:
         drawn = render_plots(trend, folder / FOLDER) if plots else []
@@ -168,7 +184,7 @@ def write_trend_page(trend: Trend, folder: Path, *, plots: bool = True) -> Path:
         "+-1 the band's edges (shaded); a red cross marks a flagged night.</p>",
         note,
         '<div class="plots">',
-        *(f'<img src="{FOLDER}/{p.name}" alt="{_e(f.label)}">' for f, p in drawn),
+        *(f'<img src="{FOLDER}/{p.name}" alt="the figures over the nights">' for p in drawn),
         "</div><h2>Bands of the newest run</h2><table><tr><th>case</th><th>figure</th>"
         "<th>median</th><th>band</th><th>newest</th><th>runs</th></tr>",
         *_band_rows(trend),

@@ -3,6 +3,7 @@ fingerprint (``harness.reporting.trend``); and the recording every writer of the
 
     offload-harness trend --history nights.sqlite                 # compare; exit 1 on a flag
     offload-harness trend --history nights.sqlite --last 20 --trend warn --html out/
+    offload-harness trend --history nights.sqlite --run 4        # run #4 against its own past
     offload-harness trend --history nights.sqlite --record reports/<run>/ [--bench bench.json]
 
 ``--record`` appends a run's ``summary.json`` (a file or its report folder) first, ``--bench``
@@ -108,12 +109,13 @@ def compare(
     streak: int = trends.DEFAULT_STREAK,
     fingerprint: str | None = None,
     html: Path | None = None,
+    run: int | None = None,
 ) -> trends.Trend:
-    """The newest run of ``fingerprint`` (default: the newest run's) against its last runs;
-    with ``html``, the trend page written there."""
+    """The newest run of ``fingerprint`` (default: the newest run's; ``run``: that run) against
+    its last runs; with ``html``, the trend page written there."""
     conn = db.open_history(path, create=False)
     try:
-        history = trends.load(conn, fingerprint)
+        history = trends.load(conn, fingerprint, upto=run)
     finally:
         conn.close()
     found = trends.analyse(history, last=last, streak=streak)
@@ -169,6 +171,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--history", type=Path, required=True, help="the SQLite history file")
     add_trend_arguments(parser)
     parser.add_argument("--fingerprint", help="compare this fingerprint's newest run instead")
+    parser.add_argument(
+        "--run", type=_positive, help="compare this run (its id) with the runs before it"
+    )
     parser.add_argument("--html", type=Path, help="write the trend page (trend.html) here")
     parser.add_argument("--record", type=Path, help="append this summary.json (or report folder)")
     parser.add_argument("--bench", type=Path, help="append this bench.json")
@@ -195,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             streak=args.streak,
             fingerprint=args.fingerprint,
             html=args.html,
+            run=args.run,
         )
     except ValueError as exc:  # HistoryError included
         print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)

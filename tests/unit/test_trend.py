@@ -52,12 +52,19 @@ def _kinds(trend: t.Trend) -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------- the band
 
 
-def test_spread_is_the_scaled_mad_with_the_small_sample_factor() -> None:
+def test_spread_is_the_scaled_mad_or_the_pairwise_median_where_larger() -> None:
     values = [1.0, 1.1, 0.9, 1.05, 0.95]  # median 1.0, absolute deviations' median 0.05
-    assert t.spread(values) == pytest.approx(1.4826 * 0.05 * 5 / 4.2)
+    assert t.mad_spread(values) == pytest.approx(1.4826 * 0.05 * 5 / 4.2)
+    assert t.pairwise_spread(values) == pytest.approx(1.0483 * 0.1)  # median of 10 gaps
+    assert t.spread(values) == t.pairwise_spread(values)  # the larger here
     assert t.spread([3.0, 3.0, 3.0]) == 0.0 and t.spread([2.0]) == 0.0
-    # one wild value does not widen it: the median of the deviations ignores it
-    assert t.spread([1.0, 1.1, 0.9, 1.05, 50.0]) == pytest.approx(1.4826 * 0.05 * 5 / 4.2)
+    # one wild value of five widens it to the pairwise median, not to the wild value
+    assert t.spread([1.0, 1.1, 0.9, 1.05, 50.0]) == pytest.approx(1.0483 * 0.175)
+    # three values, two of them close: the MAD is their small gap, the pairwise median is not
+    wild = [2.265, 1.010, 2.254]
+    assert t.mad_spread(wild) == pytest.approx(1.4826 * 0.011 * 3 / 2.2)
+    assert t.spread(wild) == pytest.approx(1.0483 * 1.244)
+    assert not t.band(wild, 0.0).outside(2.6, 1)
 
 
 def test_identical_history_does_not_flag_the_last_digit() -> None:
