@@ -33,7 +33,7 @@ import datetime as dt
 import random
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -344,26 +344,3 @@ def rows(conn: sqlite3.Connection, table: str, run_ids: Iterable[int]) -> list[d
 
 def count_runs(conn: sqlite3.Connection) -> int:
     return int(conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
-
-
-def record_bench_rows(bench: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """``bench``'s rows from a ``bench.json``: per model and variant its step seconds, step
-    ratio to the baseline, copy rate (GB/s both ways over the step), the offloader's host
-    seconds per step (``--host-time``) and peak bytes."""
-    out = []
-    for entry in bench.get("models", []):
-        for variant, result in (entry.get("variants") or {}).items():
-            host = result.get("host_time")
-            out.append(
-                {
-                    "model": str(entry.get("model")),
-                    "variant": str(variant),
-                    "status": result.get("status"),
-                    "step_s": result.get("step_s"),
-                    "ratio": result.get("ratio"),
-                    "copy_gbs": result.get("effective_gbs"),
-                    "host_s": host.get("total_s") if isinstance(host, dict) else None,
-                    "peak_bytes": result.get("peak_bytes"),
-                }
-            )
-    return out

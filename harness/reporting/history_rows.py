@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from harness.reporting.history import RunRecord, record_bench_rows
+from harness.reporting.history import RunRecord
 
 
 def fingerprint_of(summary: Mapping[str, Any]) -> str | None:
@@ -87,7 +87,7 @@ def run_record(
             if row is not None:
                 tables[table].append({"case_name": name, **row})
     if bench is not None:
-        tables["bench"] = record_bench_rows(bench)
+        tables["bench"] = bench_rows(bench)
     return RunRecord(run=run, rows=tables)
 
 
@@ -174,3 +174,26 @@ def host_row(case: Mapping[str, Any]) -> dict[str, Any] | None:
     if not isinstance(held, list) or not held:
         return None
     return {"held_bytes": max(held), "held_bytes_final": held[-1], "source": "harness-held"}
+
+
+def bench_rows(bench: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``bench``'s rows from a ``bench.json``: per model and variant its step seconds, step
+    ratio to the baseline, copy rate (GB/s both ways over the step), the offloader's host
+    seconds per step (``--host-time``) and peak bytes."""
+    out = []
+    for entry in bench.get("models", []):
+        for variant, result in (entry.get("variants") or {}).items():
+            host = result.get("host_time")
+            out.append(
+                {
+                    "model": str(entry.get("model")),
+                    "variant": str(variant),
+                    "status": result.get("status"),
+                    "step_s": result.get("step_s"),
+                    "ratio": result.get("ratio"),
+                    "copy_gbs": result.get("effective_gbs"),
+                    "host_s": host.get("total_s") if isinstance(host, dict) else None,
+                    "peak_bytes": result.get("peak_bytes"),
+                }
+            )
+    return out

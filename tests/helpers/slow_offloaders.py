@@ -2,7 +2,8 @@
 (``tests/e2e/test_trend_gate.py``), while every check of the case still passes.
 
 ==================  ===========================================================================
-``SlowPack``        ``StorageSkip`` that sleeps ``DELAY_S`` in every pack hook that offloads: a
+``SlowPack``        ``StorageSkip`` that sleeps ``DELAY_S`` (20 ms: well above the run-to-run
+                    noise of the shared 2-core machine) in every pack hook that offloads: a
                     slower step, the same copies, the same numbers
 ``HoldsTwice``      ``StorageSkip`` that keeps a second reference to every host copy it made
                     until the end of the next step: while a step runs it holds its own copies
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from undeclared_offloaders import StorageSkip
@@ -29,7 +31,7 @@ class SlowPack(StorageSkip):
 
     name = "slow-pack"
 
-    def pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor) -> Any:
         packed = super().pack(t)
         if packed is not t:
             time.sleep(DELAY_S)
@@ -41,12 +43,12 @@ class HoldsTwice(StorageSkip):
 
     name = "holds-twice"
 
-    def __init__(self, config, device) -> None:
+    def __init__(self, config: Any, device: Any) -> None:
         super().__init__(config, device)
         self.this_step: list[torch.Tensor] = []
         self.last_step: list[torch.Tensor] = []
 
-    def pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor) -> Any:
         packed = super().pack(t)
         if packed is not t:
             self.this_step.append(packed[2])  # the host copy, kept past its reload

@@ -6,6 +6,7 @@ flagged with the figure, the band and the nights; tracked figures are noted only
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -218,3 +219,18 @@ def test_the_overhead_floor_comes_from_its_seconds_resolution() -> None:
     )
     # 1 ms of either run changes 0.4 / 0.2 by 2 x (1/400 + 1/200) = 0.015
     assert t.quantum_of(t.BY_KEY["overhead"], history, CASE, [1, 2, 3]) == pytest.approx(0.015)
+
+
+def test_the_trend_page_without_plots(tmp_path: Path) -> None:
+    from harness.reporting.trend_page import plotted, positions, write_trend_page
+
+    history = _history({"host_held_bytes": [0, 0, 0, 4096], "seconds": [1.0, 1.0, 1.0, 1.0]})
+    trend = t.analyse(history)
+    assert [f.key for f in plotted(trend)] == ["host_held_bytes", "seconds"]  # flagged first
+    assert positions(trend, t.BY_KEY["host_held_bytes"]) == {
+        CASE: [(0, 0.0), (1, 0.0), (2, 0.0), (3, 2048.0)]  # 4096 B / a 2 B half-width
+    }
+    page = write_trend_page(trend, tmp_path, plots=False).read_text()
+    assert "Trend of run #4 (fp/tiny)" in page and "FLAG host footprint: hybrid-case" in page
+    assert '<tr class="flag"><td>hybrid-case</td><td>host bytes held' in page
+    assert "No plots" in page and not (tmp_path / "trend-plots").exists()
