@@ -17,8 +17,9 @@ they skip at world size 1).
 The rows live by family: ``case`` (the ``Case`` record, the matrix's axes and offload sets,
 the seed's row), ``harness_rows`` (the cycled, ZeRO-3, detection and interleaved rows on our
 models), ``cadence_rows`` (fraction, pool cap, inert threshold) and ``mcore_rows``
-(megatron-core's models); this module puts them together into the matrices and re-exports every
-name.
+(megatron-core's models), ``pp_rows`` (the pipeline across ranks, added to a pytest session's
+rows by its plugin, not to these matrices); this module puts them together into the matrices
+and re-exports every name.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from harness.cases.mcore_rows import (
     MCORE_ROWS,
     MCORE_SHARDED_ROWS,
 )
+from harness.cases.pp_rows import PP_ROWS
 
 __all__ = [
     "ATTENTION_NAMES",
@@ -73,6 +75,7 @@ __all__ = [
     "MOE_ZERO3_CASE",
     "OFFLOAD_SETS",
     "PIPELINE_ROWS",
+    "PP_ROWS",
     "PRECISION_VALUES",
     "SCHEDULES_IN_MATRIX",
     "SEED_CASE",
@@ -150,7 +153,7 @@ def matrix(name: str, models: str = "harness") -> list[Case]:
 
 def find_case(case_id: str) -> Case:
     """The row of the full matrix (or the default one) whose name is ``case_id``."""
-    for row in [*default_matrix(), *full_matrix(), *MCORE_FAMILY]:
+    for row in [*default_matrix(), *full_matrix(), *MCORE_FAMILY, *PP_ROWS]:
         if row.name == case_id:
             return row
     raise ValueError(

@@ -99,6 +99,11 @@ class Case:
     offloader's log counts it), every loss still bitwise."""
     min_ranks: int = 1
     """Fewest ranks (torchrun ``WORLD_SIZE``) the case needs; below it, it skips at collection."""
+    pipeline: int = 1
+    """Pipeline stages across ranks (PP, ``harness.models.pipeline``): above 1 the case runs as a
+    pipeline of one stage per rank (VPP model chunks per rank under ``interleaved``) and needs
+    exactly that many ranks (``min_ranks`` follows it); its id ends ``_pp<PP>`` (``_pp<PP>x<VPP>``
+    under VPP)."""
     custom_pattern: str | None = None
     """Replace the family preset's layer pattern (custom cases from the command line)."""
     eval_first: bool = False
@@ -124,6 +129,7 @@ class Case:
             raise ValueError(f"min_ranks must be an int >= 1, got {self.min_ranks!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"unknown impl {self.impl!r}; known: {', '.join(IMPLS)}")
+        self._check_pipeline()
         refused = IMPLS[self.impl].refuse(
             schedule=self.schedule, sharding=self.sharding, eval_first=self.eval_first
         )
@@ -146,6 +152,30 @@ class Case:
                 f"the interleaved schedule splits the model into {INTERLEAVED_CHUNKS} chunks of "
                 f"at least one layer; pattern {spec.pattern!r} has {len(spec.layers)}"
             )
+
+    def _check_pipeline(self) -> None:
+        """A pipeline row's own rules (``pipeline`` > 1); it sets ``min_ranks`` to the stages."""
+        if isinstance(self.pipeline, bool) or not isinstance(self.pipeline, int):
+            raise ValueError(f"pipeline must be an int >= 1, got {self.pipeline!r}")
+        if self.pipeline < 1:
+            raise ValueError(f"pipeline must be an int >= 1, got {self.pipeline!r}")
+        if self.pipeline == 1:
+            return
+        if self.impl != "harness" or self.sharding != "none" or self.eval_first:
+            raise ValueError(
+                "a pipeline across ranks runs the harness's own models, unsharded, with no "
+                f"evaluation pass first (impl {self.impl!r}, sharding {self.sharding!r})"
+            )
+        if self.schedule not in ("gpipe", "1f1b", "interleaved"):
+            raise ValueError(
+                f"a pipeline row runs gpipe, 1f1b or interleaved, not {self.schedule!r}"
+            )
+        object.__setattr__(self, "min_ranks", self.pipeline)
+
+    @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline rank (2 under ``interleaved``, else 1)."""
+        return INTERLEAVED_CHUNKS if self.schedule == "interleaved" else 1
 
     @property
     def pattern(self) -> str:
@@ -178,10 +208,12 @@ class Case:
             parts.append(f"buffer-{self.offload_buffer_kib}KiB")
         if self.sharding != "none":
             parts.append(self.sharding)
-        if self.min_ranks != 1:
+        if self.min_ranks != 1 and self.pipeline == 1:
             parts.append(f"ranks-{self.min_ranks}")
         if self.eval_first:
             parts.append("evalfirst")
+        if self.pipeline > 1:
+            parts.append(f"pp{self.pipeline}" + (f"x{self.vpp}" if self.vpp > 1 else ""))
         return "_".join(parts)
 
     @property

@@ -33,7 +33,7 @@ rule has in flight there.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from harness.execute.predict import Expected
@@ -79,6 +79,7 @@ def megatron_allowed(
     events: Sequence[Event],
     passes: Mapping[int, Sequence[GroupKey]],
     order: Sequence[tuple[str, int]],
+    holding: Collection[int] | None = None,
 ) -> dict[GroupKey, int | None]:
     """Offloaded group occurrence -> the index of the event after which Megatron-Core's rule
     may reload it (``passes``: each pass's offloaded occurrences in commit order; ``order``:
@@ -88,7 +89,12 @@ def megatron_allowed(
     A stack entry whose backward already started is passed over (it was reloaded at its first
     unpack, or will be): the reference skips the ones reloaded so far, Megatron pops them
     without a reload; skipping every started one reaches the next group no later than either,
-    so the bound it gives is never tighter than theirs."""
+    so the bound it gives is never tighter than theirs.
+
+    ``holding``: the passes with a group of the selected names in the step (None: every
+    pass). The next chunk to run backward is the next one holding a group: Megatron-Core's
+    ``front_backward_chunk`` passes over empty chunks (a pipeline stage's model chunk without
+    a selected layer, ``harness.execute.pipeline_case``)."""
     stacks = {p: list(keys) for p, keys in passes.items()}
     started: set[GroupKey] = set()
     allowed: dict[GroupKey, int | None] = {}
@@ -106,7 +112,7 @@ def megatron_allowed(
             started.add(event.key)
         elif event.kind == END:
             key = pop(event.key[0])
-            following = _next_backward(order, event.key[0])
+            following = _next_backward(order, event.key[0], holding)
             if key is None and following is not None:
                 key = pop(following)
             if key is not None:
@@ -118,14 +124,20 @@ def megatron_allowed(
     return allowed
 
 
-def _next_backward(order: Sequence[tuple[str, int]], current: int) -> int | None:
-    """The pass whose backward follows ``current``'s, if its forward ran before ``current``'s
-    backward (Megatron pre-reloads only a chunk whose forward is done)."""
+def _next_backward(
+    order: Sequence[tuple[str, int]], current: int, holding: Collection[int] | None = None
+) -> int | None:
+    """The pass whose backward follows ``current``'s (of those in ``holding``, when given), if
+    its forward ran before ``current``'s backward (Megatron pre-reloads only a chunk whose
+    forward is done)."""
     try:
         at = order.index(("B", current))
     except ValueError:
         return None
-    following = next((p for kind, p in order[at + 1 :] if kind == "B"), None)
+    following = next(
+        (p for kind, p in order[at + 1 :] if kind == "B" and (holding is None or p in holding)),
+        None,
+    )
     if following is None or order.index(("F", following)) > at:
         return None
     return following
@@ -424,10 +436,12 @@ def allowed_for(
     passes: Mapping[int, Sequence[GroupKey]],
     order: Sequence[tuple[str, int]],
     semantics: Semantics,
+    holding: Collection[int] | None = None,
 ) -> dict[GroupKey, int | None]:
-    """Where the rule of ``semantics`` may reload each offloaded occurrence of the step."""
+    """Where the rule of ``semantics`` may reload each offloaded occurrence of the step
+    (``holding``: ``megatron_allowed``'s)."""
     if semantics.prefetch_depth is None:
-        return megatron_allowed(events, passes, order)
+        return megatron_allowed(events, passes, order, holding)
     offloaded = [key for keys in passes.values() for key in keys]
     return depth_allowed(events, offloaded, semantics.prefetch_depth)
 
@@ -456,11 +470,13 @@ def run_cadence(
         marks += len(observed.marks)
         predicted = expected[min(step, len(expected) - 1)]
         passes: dict[int, list[GroupKey]] = {}
-        for key in commit_order(observed, observations):
+        committed = commit_order(observed, observations)
+        for key in committed:
             if key in predicted and predicted[key].offloaded:
                 passes.setdefault(key[0], []).append(key)
         sizes = {k: e.bytes for k, e in predicted.items() if e.offloaded}
-        allowed = allowed_for(events, passes, order, semantics)
+        holding = {key[0] for key in committed if key[2] in names}
+        allowed = allowed_for(events, passes, order, semantics, holding)
         judged.append(judge_step(step, events, allowed, sizes, rule, name_pass))
         if learned:
             theirs.append(rule_peak(events, allowed_for(events, passes, order, megatron), sizes))

@@ -46,6 +46,7 @@ from harness.execute.consistency import HELD
 from harness.execute.environment import Environment
 from harness.execute.learn import OBSERVED_LABEL
 from harness.execute.memory import MemoryResult
+from harness.execute.pipeline_case import run_pipeline_case
 from harness.execute.steps import run_case
 from harness.measure import fingerprint
 from harness.measure.syncguard import GUARDED_STEP
@@ -71,6 +72,7 @@ from harness.verify.checks import (
     weight_problems,
 )
 from harness.verify.memorycheck import memory_problems
+from harness.verify.pipeline_checks import stage_outcome
 from harness.vocab.impls import IMPLS
 
 STATUSES = ("pass", "fail", "skip", "n-a", "updated")
@@ -111,7 +113,8 @@ def raised(exc: Exception) -> str:
         return str(exc)
     position = progress.where(exc)
     at = f" (raised in the offloader's calls at {position})" if position else ""
-    return f"the case's runs raised {type(exc).__name__}: {exc}{at}"
+    notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))  # a pipeline's where
+    return f"the case's runs raised {type(exc).__name__}: {exc}{at}{notes}"
 
 
 _REPORTED = "offload_reported_by"
@@ -183,6 +186,8 @@ class CaseRuns:
 
     def case_run(self) -> CaseRun:
         """The plain, hooks, offload and disabled runs (``harness.execute.steps.run_case``)."""
+        if getattr(self.case, "pipeline", 1) > 1:  # this rank's stage (pipeline_case)
+            return self._once("case", lambda: run_pipeline_case(self.case, self.env))
         return self._once("case", lambda: run_case(self.case, self.env))
 
     def memory(self) -> MemoryResult:
@@ -495,6 +500,9 @@ CASE_TESTS: dict[str, str] = {
 def check(name: str, runs: CaseRuns) -> CheckOutcome:
     """Run one check (its runs' exceptions propagate, except a configuration the model's
     library refuses, ``Refused``: a skip with the library's message)."""
+    if getattr(runs.case, "pipeline", 1) > 1:  # this rank's stage (pipeline_checks)
+        fields = stage_outcome(name, runs.case_run, runs.env.device.type)  # type: ignore[arg-type]
+        return CheckOutcome(name=name, **fields)
     try:
         return CHECKS[name](runs)
     except Refused as exc:

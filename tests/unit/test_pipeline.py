@@ -1,17 +1,22 @@
 """The pipeline across ranks without ranks (``harness.models.pipeline``, ``harness.models.p2p``):
 each stage's order against the one-rank runner's and Megatron-Core's rules, the interleaved
 placement of layers, that every stage order can run without a deadlock when sends never block,
-the message tags, and what is refused before training. The runs themselves, on two gloo ranks,
+the message tags, and what is refused before training; the pipeline rows of the case table
+(``harness.cases.pp_rows``: ids, skip reasons, refusals) and the cadence rule's next chunk on a
+stage with an empty model chunk. The runs themselves, on two gloo ranks,
 are in ``tests/e2e/test_pipeline_ranks.py``."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from harness.cases import SEED_CASE
+from harness.cases import PP_ROWS, SEED_CASE
+from harness.execute.cadence import END, START, Event, megatron_allowed
 from harness.models.p2p import BACKWARD, FORWARD, PipelineLayout, message_tag
 from harness.models.pipeline import check_pipeline, stage_layers, stage_order
 from harness.models.train import schedule_order
+from harness.plugin.cases import skip_reason
 from harness.vocab.spec import model_chunks
 
 SCHEDULES = ("sequential", "gpipe", "1f1b", "interleaved")
@@ -119,3 +124,44 @@ def test_what_the_pipeline_refuses_before_training() -> None:
         check_pipeline(spec, run.replace(schedule="interleaved"), PipelineLayout(4, 1))
     with pytest.raises(ValueError, match="stages >= 2"):
         PipelineLayout(1)
+
+
+def test_pipeline_rows_are_named_by_their_stages_and_need_exactly_them() -> None:
+    """The rows' ids end ``_pp<PP>`` (``x<VPP>`` under interleaved), so ``-k pp`` and ``-k pp4``
+    select them; ``min_ranks`` follows the stages; at any other world size they skip with one
+    line naming the torchrun command."""
+    names = [row.name for row in PP_ROWS]
+    assert [n.rsplit("_", 1)[1] for n in names] == ["pp2", "pp2x2", "pp4", "pp2", "pp2", "pp2"]
+    assert all(row.min_ranks == row.pipeline for row in PP_ROWS)
+    assert "ranks-" not in " ".join(names)
+    cpu = torch.device("cpu")
+    for row in PP_ROWS:
+        assert skip_reason(row, row.pipeline, cpu, 0) == ""
+        for world in (1, 2, 4):
+            if world != row.pipeline:
+                reason = skip_reason(row, world, cpu, 0)
+                assert f"WORLD_SIZE is {world}" in reason and "\n" not in reason
+                assert f"--nproc-per-node={row.pipeline}" in reason
+    assert skip_reason(SEED_CASE, 2, cpu, 0) == ""  # the other rows are unaffected
+
+
+def test_what_a_pipeline_row_refuses() -> None:
+    with pytest.raises(ValueError, match="pipeline must be an int >= 1"):
+        SEED_CASE.replace(pipeline=0)
+    with pytest.raises(ValueError, match="gpipe, 1f1b or interleaved"):
+        SEED_CASE.replace(pipeline=2)  # sequential
+    with pytest.raises(ValueError, match="unsharded"):
+        SEED_CASE.replace(schedule="1f1b", sharding="zero3", pipeline=2)
+    assert SEED_CASE.replace(schedule="gpipe", pipeline=2).name.endswith("_gpipe_bf16_pp2")
+
+
+def test_the_cadence_rule_passes_over_a_chunk_without_a_selected_group() -> None:
+    """Megatron-Core's next backward chunk is the next non-empty one (``front_backward_chunk``
+    skips empty chunks): on a pipeline stage whose second model chunk has no selected layer
+    (the seed at PP=2 x VPP=2, rank 1, layer 5), the end of pass 0's last group backward may
+    reload pass 2's, over the empty pass 1 between them; without ``holding`` it may not."""
+    first, third = (0, 2, "core_attn"), (2, 2, "core_attn")
+    events = [Event(kind=kind, key=key) for key in (first, third) for kind in (START, END)]
+    order = [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+    assert megatron_allowed(events, {2: [third]}, order) == {third: 2}
+    assert megatron_allowed(events, {2: [third]}, order, holding={0, 2}) == {third: 1}
