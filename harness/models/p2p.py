@@ -21,6 +21,7 @@ for that. Not done here yet: see docs/multi-rank.md, "Pipeline across ranks".
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,70 @@ BACKWARD = 1
 
 class P2PError(RuntimeError):
     """A send or receive between stages failed (a peer died, the process group's timeout ran out
-    in a receive): the message names the rank, virtual stage, microbatch and operation."""
+    in a receive, another stage gave up: ``AbortBoard``): the message names the rank, stage,
+    step, virtual stage, microbatch and operation."""
+
+
+POLL_S = 0.05
+"""How often a rank waiting on a message or a collective looks at the abort board."""
+
+
+class AbortBoard:
+    """Where a rank that gives up on a pipeline run says so, for the ranks waiting on it: a key
+    in the process group's store, one per run (``run`` counts the runs, the same on every rank).
+    Every wait of a run (``wait``) runs in a helper thread while this rank's main thread polls
+    the board: a wait on a rank that raised ends at once with its line; a test's timeout
+    (``harness.plugin.timeouts.CaseTimeout``, a signal in the main thread) interrupts the poll
+    with the operation named; a dead peer fails the wait itself (gloo's closed connection)."""
+
+    _runs = 0
+
+    def __init__(self, store: dist.Store | None) -> None:
+        AbortBoard._runs += 1
+        self.key = f"pipeline/run-{AbortBoard._runs}/abort"
+        self.store = store
+
+    def post(self, line: str) -> None:
+        """Say why this rank gives up (the first line posted stays)."""
+        if self.store is not None and not self.store.check([self.key]):
+            self.store.set(self.key, line)
+
+    def posted(self) -> str | None:
+        if self.store is None or not self.store.check([self.key]):
+            return None
+        return self.store.get(self.key).decode()
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        """``work.wait()``, given up when another rank posts (``P2PError`` naming ``what`` and
+        that rank's line) or when an exception reaches this thread meanwhile (re-raised with
+        ``what`` noted, and posted for the others)."""
+        failed: list[BaseException] = []
+
+        def waiting() -> None:
+            try:
+                work.wait()
+            except BaseException as exc:  # handed to the main thread
+                failed.append(exc)
+
+        helper = threading.Thread(target=waiting, name="pipeline-wait", daemon=True)
+        helper.start()
+        try:
+            while helper.is_alive():
+                helper.join(POLL_S)
+                if helper.is_alive():
+                    line = self.posted()
+                    if line is not None:
+                        raise P2PError(f"{what}: given up, {line}")
+        except P2PError:
+            raise
+        except BaseException as exc:  # a test's timeout, Ctrl-C: say where it waited
+            self.post(f"{what}: interrupted ({type(exc).__name__})")
+            exc.add_note(f"while waiting in the pipeline: {what}")
+            raise
+        if failed:  # a peer that gave up first may have closed the connection: say so
+            line = self.posted()
+            cause = f"given up, {line}" if line is not None else f"failed: {failed[0]}"
+            raise P2PError(f"{what}: {cause}") from failed[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +154,13 @@ class StageLinks:
         dtype: torch.dtype,
         device: torch.device,
         group: dist.ProcessGroup | None = None,
+        board: AbortBoard | None = None,
     ) -> None:
         self.layout, self.stage, self.group = layout, stage, group
         self.shape, self.dtype, self.device = shape, dtype, device
+        self.board = board or AbortBoard(None)
+        self.step = 0
+        """The step the runner is in (for messages)."""
         self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []
 
     def send_activation(self, virtual: int, microbatch: int, tensor: torch.Tensor) -> None:
@@ -151,15 +219,20 @@ class StageLinks:
         return buffer
 
     def _wait(self, work: dist.Work, what: str) -> None:
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            raise P2PError(f"{what} failed: {exc}") from exc
+        self.board.wait(work, what)
+
+    def collective(self, work: dist.Work, what: str) -> None:
+        """Wait for a collective of the run (the loss broadcast, the clip's gather) as for a
+        message: given up when another rank posts on the board."""
+        self.board.wait(
+            work,
+            f"rank {dist.get_rank()} (pipeline stage {self.stage}): {what} in step {self.step}",
+        )
 
     def _describe(self, op: str, direction: int, into: int, microbatch: int, peer: int) -> str:
         kind = "activation" if direction == FORWARD else "gradient"
         side = "to" if op == "send" else "from"
         return (
-            f"rank {dist.get_rank()} (pipeline stage {self.stage}): {op} of the {kind} into "
-            f"virtual stage {into}, microbatch {microbatch}, {side} stage {peer}"
+            f"rank {dist.get_rank()} (pipeline stage {self.stage}): step {self.step}, {op} of "
+            f"the {kind} into virtual stage {into}, microbatch {microbatch}, {side} stage {peer}"
         )

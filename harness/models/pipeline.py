@@ -42,6 +42,7 @@ evaluation pass (``RunSpec.eval_first``), gloo only for now (``harness.models.p2
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.models.hybrid import HybridModel, loss_fn, make_batches, seeded_model
-from harness.models.p2p import PipelineLayout, StageLinks
+from harness.models.p2p import AbortBoard, P2PError, PipelineLayout, StageLinks
 from harness.models.runs import RunHooks, TrainResult
 from harness.models.train import (
     DTYPES,
@@ -59,6 +60,7 @@ from harness.models.train import (
     schedule_order,
 )
 from harness.offload.protocol import Offloader, model_chunk_of
+from harness.util import distributed
 from harness.vocab.impls import IMPLS
 from harness.vocab.spec import SCHEDULES, ModelSpec, RunSpec, chunk_layers, model_chunks
 
@@ -143,6 +145,8 @@ class ClipAcrossStages:
     ) -> None:
         self.size, self.group = len(whole), group
         self.positions = [whole.index(name) for name in mine]
+        self.wait: Callable[[dist.Work, str], None] = lambda work, what: work.wait()
+        """How the gather is waited for (the run's ``StageLinks.collective``)."""
 
     def __call__(self, main: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         local = torch.zeros(2, self.size, dtype=torch.float32, device=main[0].device)
@@ -151,7 +155,7 @@ class ClipAcrossStages:
                 local[0, position] = 1.0
                 local[1, position] = torch.linalg.vector_norm(param.grad, 2.0)
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, local, group=self.group)
+        self.wait(dist.all_gather(parts, local, group=self.group, async_op=True), "the clip")
         present = [part[0].tolist() for part in parts]
         norms = [
             part[1, position]
@@ -207,8 +211,11 @@ def train_pipeline(
     device = torch.device(device)
     layout = PipelineLayout(dist.get_world_size(group), model_chunks(run.schedule))
     check_pipeline(spec, run, layout)
+    own = group is None  # a group of its own per run: one given up on is left behind
+    if own:
+        group = dist.new_group(list(range(dist.get_world_size())))
     with deterministic(device):
-        return _train(
+        result = _train(
             spec,
             run,
             offloader,
@@ -219,6 +226,9 @@ def train_pipeline(
             keep_grads,
             keep_final_state,
         )
+    if own:
+        dist.destroy_process_group(group)
+    return result
 
 
 @dataclass(kw_only=True)
@@ -233,6 +243,8 @@ class _StageRun:
     order: Order
     run: RunSpec
     hooks: RunHooks
+    at: str = "before its first pass"
+    """The pass this rank runs now, for a failure's line."""
 
 
 def _train(
@@ -259,10 +271,13 @@ def _train(
     data = data.to(device)
     losses = torch.zeros(run.steps, run.microbatches, device=device)
     shape = (spec.micro_batch_size, spec.seq_length, spec.hidden_size)
+    board = AbortBoard(distributed._store("pipeline"))
+    links = StageLinks(layout, stage, shape, dtype, device, group, board)
+    clip.wait = links.collective
     this = _StageRun(
         model=model,
         offloader=offloader,
-        links=StageLinks(layout, stage, shape, dtype, device, group),
+        links=links,
         layout=layout,
         stage=stage,
         order=stage_order(run.schedule, run.microbatches, layout.stages, stage),
@@ -272,12 +287,16 @@ def _train(
     last = layout.owner(layout.virtual_stages - 1)[0]
     grads: list[dict[str, torch.Tensor]] = []
     for step in range(run.steps):
+        links.step = step
         context = hooks.step_context(step) if hooks.step_context else contextlib.nullcontext()
-        with context:
+        with context, _giving_up(this, step):
             compute = hooks.compute_context(step) if hooks.compute_context else None
             with compute or contextlib.nullcontext():
                 _run_step(this, data[step], losses[step], step)
-            dist.broadcast(losses[step], group=group, group_src=last)
+            this.at = "the broadcast of the step's losses"
+            sent = dist.broadcast(losses[step], group=group, group_src=last, async_op=True)
+            links.collective(sent, this.at)
+            this.at = "the optimizer step (the clip's gather of gradient norms)"
             if keep_grads:
                 grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
             optimizer.step()
@@ -287,19 +306,48 @@ def _train(
     )
 
 
+@contextlib.contextmanager
+def _giving_up(this: _StageRun, step: int) -> Iterator[None]:
+    """A rank that fails in a step posts where (rank, stage, step, pass) on the run's abort
+    board, so the ranks waiting on it give up at once naming it (``p2p.AbortBoard``); a rank
+    that gave up because another posted adds nothing. The exception goes on, noted."""
+    try:
+        yield
+    except BaseException as exc:
+        if not (isinstance(exc, P2PError) and "given up" in str(exc)):
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            line = (
+                f"rank {dist.get_rank()} (pipeline stage {this.stage}) raised in step {step}, "
+                f"in {this.at}: {type(exc).__name__}: {first}"
+            )
+            this.links.board.post(line)
+            if not isinstance(exc, P2PError):
+                exc.add_note(line)
+        raise
+
+
 def _run_step(this: _StageRun, batches: torch.Tensor, losses: torch.Tensor, step: int) -> None:
     """One step of this rank's passes in its order; sends are waited for at its end, then the
     offloader's iteration ends (as the one-rank runner ends it after its last backward)."""
     outputs: dict[int, torch.Tensor] = {}  # pass -> its output (the loss on the last stage)
     inputs: dict[int, torch.Tensor] = {}  # pass -> the activation it received
+    chunks = this.layout.chunks
     for kind, p in this.order:
+        mb, chunk = divmod(p, chunks)
+        this.at = (
+            f"the {'forward' if kind == 'F' else 'backward'} of microbatch {mb}"
+            + (f", model chunk {chunk}" if chunks > 1 else "")
+            + f" (virtual stage {this.layout.virtual_stage(this.stage, chunk)})"
+        )
         if kind == "F":
             _forward(this, batches, losses, p, outputs, inputs)
             if this.hooks.after_forward is not None:
                 this.hooks.after_forward(step, p)
         else:
             _backward(this, p, outputs, inputs)
+    this.at = "the wait for the step's sends"
     this.links.finish()
+    this.at = "the offloader's end_iteration"
     this.offloader.end_iteration()
 
 
