@@ -213,7 +213,7 @@ def train_pipeline(
     check_pipeline(spec, run, layout)
     own = group is None  # a group of its own per run: one given up on is left behind
     if own:
-        group = dist.new_group(list(range(dist.get_world_size())))
+        group = _own_group()
     with deterministic(device):
         result = _train(
             spec,
@@ -229,6 +229,17 @@ def train_pipeline(
     if own:
         dist.destroy_process_group(group)
     return result
+
+
+def _own_group() -> dist.ProcessGroup:
+    """A group of the whole world for one run, with the default group's timeout (where it can
+    be read; else torch's default)."""
+    default = dist.distributed_c10d._get_default_group()
+    try:
+        timeout = default._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        timeout = None
+    return dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
 
 
 @dataclass(kw_only=True)
