@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from harness.cases import Case
+from harness.cases import PP_ROWS, Case
 from harness.offload.broken import (
     BROKEN,
     OFFLOADERS,
@@ -25,6 +25,7 @@ from harness.offload.broken import (
     FractionCount,
     HostSync,
     LyingLog,
+    MicrobatchKeyed,
     MiddleStepSkip,
     NoGradWarmup,
     NoOp,
@@ -32,6 +33,7 @@ from harness.offload.broken import (
     Pageable,
     PoolEarlyReuse,
     ReloadBeforeD2H,
+    ReloadBeforeGradient,
     SourceReuse,
     StructureRemap,
     TwoAhead,
@@ -66,6 +68,11 @@ class BrokenBackend:
     """(check, regular expression) per catching check: a failure of that check is a catch only
     when one of its problem lines matches, so a check failing for another reason (a drifted
     baseline, a crash) is never counted as catching this bug class."""
+    pipeline_catchers: tuple[tuple[str, Case], ...] = ()
+    """(check, pipeline row of ``harness.cases.PP_ROWS``) pairs that catch it across ranks,
+    each rank judging its stage. The mutation score runs rows in one process, so it judges the
+    ``catchers`` only; ``tests/e2e/test_pipeline_broken.py`` shows these catches on forked gloo
+    ranks (the same ``reasons``)."""
     needs: str = ""
     """When the default matrix cannot show it: the row or run feature it needs."""
     learnable: str = ""
@@ -314,6 +321,18 @@ CATALOGUE: tuple[BrokenBackend, ...] = (
         catchers=(("cadence", SEED), ("cadence", ATTENTION_1F1B_3MB)),
         reasons=(("cadence", EARLY_RELOAD),),
         learnable=EARLY_ALWAYS,
+    ),
+    BrokenBackend(
+        factory=MicrobatchKeyed,
+        catchers=(("equivalence", INTERLEAVED),),
+        pipeline_catchers=(("equivalence", PP_ROWS[1]),),
+        reasons=(("equivalence", RELOADS),),
+    ),
+    BrokenBackend(
+        factory=ReloadBeforeGradient,
+        catchers=(("cadence", ATTENTION_1F1B_3MB),),
+        pipeline_catchers=(("cadence", PP_ROWS[0]),),
+        reasons=(("cadence", EARLY_RELOAD),),
     ),
 )
 """Every broken offloader (``harness.offload.broken.OFFLOADERS``, in its order) with its

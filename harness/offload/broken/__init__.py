@@ -19,7 +19,8 @@ CUDA race delays. The default-matrix cases and checks that catch each are the ve
 The classes live by bug class: ``races`` (a copy still in flight: reload before D2H, source
 reuse, early pool reuse), ``identity`` (the wrong tensor back: microbatch, chunk, view),
 ``selection`` (the wrong groups moved, or at the wrong time) and ``transport`` (how the bytes
-travel and are logged: extra round trip, pageable, host sync, bit flip, lying log). This
+travel and are logged: extra round trip, pageable, host sync, bit flip, lying log), ``cadence``
+(when reloads run) and ``pipeline`` (pipeline stages: VPP chunks, the next stage's gradient). This
 package re-exports each (``harness.offload.broken.NoOp``); a new one is its class in one of
 them (or a module of its own) and its record in ``OFFLOADERS`` below.
 """
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from harness.offload.broken.cadence import EagerReload, TwoAhead
 from harness.offload.broken.identity import ChunkOrder, ViewDedup, WrongMicrobatch
+from harness.offload.broken.pipeline import MicrobatchKeyed, ReloadBeforeGradient
 from harness.offload.broken.races import PoolEarlyReuse, ReloadBeforeD2H, SourceReuse
 from harness.offload.broken.selection import (
     FractionCount,
@@ -201,6 +203,20 @@ OFFLOADERS: tuple[BrokenOffloader, ...] = (
         factory=TwoAhead,
         bug_class="reloads prefetched two groups ahead of their backward",
         reference="Megatron-LM #7575 / dev #5101 (reloads run ahead of their backward)",
+        cpu=True,
+    ),
+    BrokenOffloader(
+        factory=MicrobatchKeyed,
+        bug_class="state keyed by microbatch, not by model chunk (a rank's VPP chunks of one "
+        "microbatch mixed up)",
+        reference="Megatron-Core keys offload state by virtual stage (issue 59)",
+        cpu=True,
+    ),
+    BrokenOffloader(
+        factory=ReloadBeforeGradient,
+        bug_class="a stage's activations reloaded before the gradient from the next stage "
+        "arrived (at the start of a forward)",
+        reference="Megatron-LM #7575's class across pipeline stages (issue 59)",
         cpu=True,
     ),
 )
