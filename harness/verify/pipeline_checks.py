@@ -207,6 +207,13 @@ def stage_outcome(name: str, made: Callable[[], StageRun], device_type: str) -> 
     problems = labelled(res, PROBLEMS[name](res))
     status = "fail" if problems else "pass"
     record: dict[str, Any] = {"stage": stage_record(res, status, problems)}
+    if name == "leaks" and res.case.pool_cap is not None:  # this stage's pinned pool
+        logs = res.offload.logs
+        record["stage"]["pool"] = {
+            "cap": res.case.pool_cap,
+            "exhausted": [log.pool_exhausted for log in logs],
+            "allocated": [log.pool_allocated for log in logs],
+        }
     if name == "equivalence":  # gathered from every rank into transfers_per_rank
         record["transfers"] = record["stage"]
         record["losses"] = {
