@@ -501,7 +501,8 @@ def check(name: str, runs: CaseRuns) -> CheckOutcome:
     """Run one check (its runs' exceptions propagate, except a configuration the model's
     library refuses, ``Refused``: a skip with the library's message)."""
     if getattr(runs.case, "pipeline", 1) > 1:  # this rank's stage (pipeline_checks)
-        fields = stage_outcome(name, runs.case_run, runs.env.device.type)  # type: ignore[arg-type]
+        made = runs.case_run
+        fields = stage_outcome(name, runs.case, made, runs.env.device.type)  # type: ignore[arg-type]
         return CheckOutcome(name=name, **fields)
     try:
         return CHECKS[name](runs)

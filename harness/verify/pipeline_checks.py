@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
+from harness.cases import Case
 from harness.execute.attribution import group_differences
 from harness.execute.learn import expected_fields
-from harness.execute.pipeline_case import StageRun
+from harness.execute.pipeline_case import StageRun, check_world
 from harness.measure.observe import corrupted_reloads
 from harness.verify.checks import _step_fidelity, pool_cap_problems
 
@@ -182,10 +183,17 @@ PROBLEMS = {
 """The checks a stage's runs decide, by name (the others are decided before any run)."""
 
 
-def stage_outcome(name: str, made: Callable[[], StageRun], device_type: str) -> dict[str, Any]:
+def stage_outcome(
+    name: str, case: Case, made: Callable[[], StageRun], device_type: str
+) -> dict[str, Any]:
     """Check ``name`` of a pipeline row on this rank: the fields of its
     ``harness.verify.judge.CheckOutcome`` (status, problems, reason, record). ``made`` makes
-    (once) or returns the stage's runs; checks that do not apply are decided without them."""
+    (once) or returns the stage's runs; checks that do not apply, and every check outside a
+    process group of the row's stages (a skip), are decided without them."""
+    try:  # outside torchrun (offload-harness run, a one-process pytest): a skip, not a failure
+        check_world(case)
+    except ValueError as exc:
+        return {"status": "skip", "reason": str(exc)}
     if name == "golden":
         return {"status": "n-a", "reason": GOLDEN}
     if name in ("memory", "sync"):

@@ -13,10 +13,12 @@ import torch
 
 from harness.cases import PP_ROWS, SEED_CASE
 from harness.execute.cadence import END, START, Event, megatron_allowed
+from harness.execute.environment import Environment
 from harness.models.p2p import BACKWARD, FORWARD, PipelineLayout, message_tag
 from harness.models.pipeline import check_pipeline, stage_layers, stage_order
 from harness.models.train import schedule_order
 from harness.plugin.cases import skip_reason
+from harness.verify.judge import CaseRuns, check
 from harness.vocab.spec import model_chunks
 
 SCHEDULES = ("sequential", "gpipe", "1f1b", "interleaved")
@@ -165,3 +167,15 @@ def test_the_cadence_rule_passes_over_a_chunk_without_a_selected_group() -> None
     order = [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
     assert megatron_allowed(events, {2: [third]}, order) == {third: 2}
     assert megatron_allowed(events, {2: [third]}, order, holding={0, 2}) == {third: 1}
+
+
+def test_a_pipeline_row_outside_its_world_is_a_skip_with_the_reason() -> None:
+    """``offload-harness run`` or a one-process judge of a pipeline row trains nothing: every
+    check is a skip naming the ranks it needs."""
+    env = Environment(device=torch.device("cpu"), model_size="tiny")
+    runs = CaseRuns(PP_ROWS[0], env)
+    for name in ("equivalence", "transfers", "golden"):
+        outcome = check(name, runs)
+        assert outcome.status == "skip", outcome
+        assert "runs on exactly 2 ranks (torchrun --nproc-per-node=2), not 1" in outcome.reason
+    assert not runs.seconds  # nothing ran
