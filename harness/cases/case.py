@@ -161,7 +161,7 @@ class Case:
             raise ValueError(f"pipeline must be an int >= 1, got {self.pipeline!r}")
         if self.pipeline == 1:
             return
-        if self.impl != "harness" or self.sharding != "none" or self.eval_first:
+        if not IMPLS[self.impl].ours or self.sharding != "none" or self.eval_first:
             raise ValueError(
                 "a pipeline across ranks runs the harness's own models, unsharded, with no "
                 f"evaluation pass first (impl {self.impl!r}, sharding {self.sharding!r})"

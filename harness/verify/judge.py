@@ -113,7 +113,9 @@ def raised(exc: Exception) -> str:
         return str(exc)
     position = progress.where(exc)
     at = f" (raised in the offloader's calls at {position})" if position else ""
-    notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))  # a pipeline's where
+    # other notes (a pipeline's where), not the one ``progress.located`` added for ``at``
+    own = f"raised in the offloader's calls at {position}"
+    notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()) if n != own)
     return f"the case's runs raised {type(exc).__name__}: {exc}{at}{notes}"
 
 
@@ -500,7 +502,7 @@ CASE_TESTS: dict[str, str] = {
 def check(name: str, runs: CaseRuns) -> CheckOutcome:
     """Run one check (its runs' exceptions propagate, except a configuration the model's
     library refuses, ``Refused``: a skip with the library's message)."""
-    if getattr(runs.case, "pipeline", 1) > 1:  # this rank's stage (pipeline_checks)
+    if getattr(getattr(runs, "case", None), "pipeline", 1) > 1:  # this rank's stage
         made = runs.case_run
         fields = stage_outcome(name, runs.case, made, runs.env.device.type)  # type: ignore[arg-type]
         return CheckOutcome(name=name, **fields)
