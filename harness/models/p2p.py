@@ -22,6 +22,7 @@ for that. Not done here yet: see docs/multi-rank.md, "Pipeline across ranks".
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,8 @@ class P2PError(RuntimeError):
 
 
 POLL_S = 0.05
+POST_GRACE_S = 2.0
+"""How long a failed wait looks for a peer's posted line before it says the wait just failed."""
 """How often a rank waiting on a message or a collective looks at the abort board."""
 
 
@@ -96,9 +99,20 @@ class AbortBoard:
             exc.add_note(f"while waiting in the pipeline: {what}")
             raise
         if failed:  # a peer that gave up first may have closed the connection: say so
-            line = self.posted()
+            line = self.posted_soon()
             cause = f"given up, {line}" if line is not None else f"failed: {failed[0]}"
             raise P2PError(f"{what}: {cause}") from failed[0]
+
+    def posted_soon(self, grace: float = POST_GRACE_S) -> str | None:
+        """``posted``, waiting up to ``grace`` seconds: a peer that raised posts its line, then
+        its process ends and its connections close; this rank's wait can fail on the closed
+        connection before the post is readable in the store."""
+        deadline = time.monotonic() + grace
+        while True:
+            line = self.posted()
+            if line is not None or time.monotonic() >= deadline:
+                return line
+            time.sleep(POLL_S)
 
 
 @dataclass(frozen=True, slots=True)

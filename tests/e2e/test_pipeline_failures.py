@@ -133,8 +133,10 @@ def _run_job(folder: Path, how: str) -> dict[int, str]:
 
 RANK1_WHERE = "rank 1 (pipeline stage 1) raised in step 1, in the forward of microbatch 2"
 RANK0_WAIT = re.compile(
-    r"rank 0 \(pipeline stage 0\): step 1, recv of the gradient into virtual stage 0, "
-    r"microbatch [12], from stage 1"
+    # rank 0 waits for rank 1's gradient, or - where rank 1 ends first - for its own send of
+    # the next activation to complete: either operation is named, with its step and microbatch
+    r"rank 0 \(pipeline stage 0\): step 1, (?:recv of the gradient into virtual stage 0|send "
+    r"of the activation into virtual stage 1), microbatch [123]"
 )
 """Rank 0 waits for microbatch 2's gradient, or still for microbatch 1's when rank 1 ended
 before its send of that one went out."""
