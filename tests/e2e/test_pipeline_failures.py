@@ -149,7 +149,10 @@ def test_a_rank_that_raises_ends_the_run_on_every_rank(tmp_path: Path) -> None:
     said = _run_job(tmp_path, "raise")
     assert "injected failure in the offloader" in said[1] and RANK1_WHERE in said[1], said[1]
     assert "P2PError" in said[0] and RANK0_WAIT.search(said[0]), said[0]
-    assert f"given up, {RANK1_WHERE}" in said[0], said[0]
+    # rank 0 gives up on rank 1's posted line, or - where rank 1's exit closed the connection
+    # under a pending send before rank 0 could read the post (seen on a loaded 2-core CI
+    # machine, even 2 s after) - fails that send on the closed connection; either way at once
+    assert f"given up, {RANK1_WHERE}" in said[0] or "Connection closed by peer" in said[0], said[0]
     assert float(said[0].split()[0]) < 15, said[0]  # not the group's 30 s timeout
 
 
