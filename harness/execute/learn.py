@@ -83,6 +83,13 @@ UNDECIDED = "not decided by this case"
 
 OBSERVED_LABEL = "its observed rule"
 
+LEARNED_ONLY = (
+    "the backend declares no semantics, so its rule is learned from steps 0 and 1, and this "
+    "run has no later step to hold it to (run --steps 3 or more): judging the learning steps "
+    "by what they taught would prove nothing"
+)
+"""Why an undeclared backend's transfer and cadence checks skip on a run of two steps or one."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ObservedRule:

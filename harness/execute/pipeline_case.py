@@ -29,7 +29,9 @@ from harness.cases import Case
 from harness.execute.attribution import observe_steps
 from harness.execute.baselines import plain_baseline
 from harness.execute.cadence import Cadence, run_cadence
+from harness.execute.consistency import own_expected
 from harness.execute.environment import Environment, closing
+from harness.execute.learn import ObservedRule, learn_from_steps
 from harness.execute.predict import Expected, inert_reason, predict
 from harness.measure.observe import Observed, Windowed
 from harness.measure.transfers import TransferCounts
@@ -66,7 +68,11 @@ class StageRun:
     observations: list[GroupObservation]
     """What this stage's groups save (the one-rank hooks run's first iteration, its layers)."""
     semantics: Semantics | None
-    """The backend's declared rule (None: undeclared, no prediction per stage)."""
+    """The rule the stage is held to: the backend's declared one, or the one learned from this
+    stage's steps 0 and 1 (``rule``)."""
+    rule: ObservedRule | None = None
+    """An undeclared backend's rule, learned per stage (``harness.execute.learn``); where none
+    fits, the stage is held to its own first steady step (``ObservedRule.own``)."""
     warmup: dict[GroupKey, Expected] = field(default_factory=dict)
     steady: dict[GroupKey, Expected] = field(default_factory=dict)
     steady_copies: list[int] = field(default_factory=list)
@@ -124,8 +130,6 @@ def run_pipeline_case(case: Case, env: Environment) -> StageRun:
     order = stage_order(case.schedule, case.microbatches, case.pipeline, stage)
     seconds["one-rank"] = round(time.perf_counter() - began, 3)
     semantics = env.declared
-    warmup, steady = predict(observations, config, order, semantics) if semantics else ({}, {})
-    steady_copies = distributed.all_gather_object(sum(e.copies for e in steady.values()))
     began = time.perf_counter()
     seen: list[Observed] = []
     with closing(Windowed(env.offloader(config), checksums=True)) as offloader:
@@ -137,6 +141,15 @@ def run_pipeline_case(case: Case, env: Environment) -> StageRun:
             spec, run, offloader, env.device, hooks=hooks, keep_grads=True, keep_final_state=True
         )
     seconds["pipeline"] = round(time.perf_counter() - began, 3)
+    rule = None
+    if semantics is None:  # learned from this stage's own steps 0 and 1, as on one rank
+        rule = learn_from_steps(observations, config, order, seen, env.device.type, case.schedule)
+        semantics = rule.semantics
+    warmup, steady = predict(observations, config, order, semantics)
+    if rule is not None and rule.own is not None:
+        warmup, steady = own_expected(rule.own, observations, steady)
+    # collective, on every rank at the same point: whether any stage moves anything
+    steady_copies = distributed.all_gather_object(sum(e.copies for e in steady.values()))
     mode = "device" if env.device.type == "cuda" else "cpu"
     made = StageRun(
         case=case,
@@ -151,14 +164,15 @@ def run_pipeline_case(case: Case, env: Environment) -> StageRun:
         per_step=[o.counts(mode) for o in seen],
         observations=observations,
         semantics=semantics,
+        rule=rule,
         warmup=warmup,
         steady=steady,
         steady_copies=steady_copies,
-        inert=inert_reason(observations, config, [warmup, steady]) if semantics else "",
+        inert=inert_reason(observations, config, [warmup, steady]),
         seconds=seconds,
     )
     made.disabled = _disabled_step(case, env)
-    if semantics is not None and semantics.reloads_on(env.device.type):
+    if semantics.reloads_on(env.device.type):
         made.cadence = run_cadence(
             observations,
             order,

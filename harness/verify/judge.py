@@ -44,7 +44,7 @@ from harness.execute import steps as case_steps
 from harness.execute.caserun import CaseRun
 from harness.execute.consistency import HELD
 from harness.execute.environment import Environment
-from harness.execute.learn import OBSERVED_LABEL
+from harness.execute.learn import LEARNED_ONLY, OBSERVED_LABEL
 from harness.execute.memory import MemoryResult
 from harness.execute.pipeline_case import run_pipeline_case
 from harness.execute.steps import run_case
@@ -316,13 +316,6 @@ def _transfers(runs: CaseRuns) -> CheckOutcome:
         reason = f"{held}; declare semantics to check it against Megatron's"
         return dataclasses.replace(outcome, reason=reason)
     return outcome
-
-
-LEARNED_ONLY = (
-    "the backend declares no semantics, so its rule is learned from steps 0 and 1, and this "
-    "run has no later step to hold it to (run --steps 3 or more): judging the learning steps "
-    "by what they taught would prove nothing"
-)
 
 
 def _learned_only(case: Case, res: CaseRun) -> bool:

@@ -34,7 +34,7 @@ import torch
 
 from harness.cases import Case
 from harness.execute.attribution import group_differences
-from harness.execute.learn import expected_fields
+from harness.execute.learn import LEARNED_ONLY, expected_fields
 from harness.execute.pipeline_case import StageRun, check_world
 from harness.measure.observe import corrupted_reloads
 from harness.verify.checks import _step_fidelity, pool_cap_problems
@@ -122,13 +122,20 @@ def transfers(res: StageRun) -> list[str]:
     problems = []
     if not any(res.steady_copies) and not res.inert:
         problems.append("the prediction moves nothing on any stage: the case proves nothing")
+    own = res.rule.own if res.rule is not None else None
+    if own is not None and res.rule is not None and res.rule.inconsistent:
+        problems += [f"{res.rule.line}; inconsistent within its learning steps:"]
+        problems += list(res.rule.inconsistent[:4])
     for step, counts in enumerate(res.per_step):
         expected = res.warmup if step == 0 else res.steady
         whys = {k: e.why for k, e in expected.items() if e.why}
+        held = (  # an undeclared stage no rule fits: its own learning step's copies
+            own.table(step) if own is not None else expected_fields(expected, res.semantics, device)
+        )
         lines = group_differences(
-            expected_fields(expected, res.semantics, device),
+            held,
             counts.by_group(),
-            "predicted",
+            "predicted" if own is None else "held to",
             "measured",
             whys,
             f"step {step}",
@@ -201,8 +208,8 @@ def stage_outcome(
             return {"status": "n-a", "reason": f"{name} needs a CUDA device"}
         return {"status": "skip", "reason": f"{name} is not run per pipeline stage yet"}
     res = made()
-    if name == "transfers" and res.semantics is None:
-        reason = "the backend declares no semantics: no rule is learned per pipeline stage yet"
+    if name in ("transfers", "cadence") and res.rule is not None and res.case.steps <= 2:
+        reason = f"{res.label}: {LEARNED_ONLY}"
         return {"status": "skip", "reason": reason, "record": {"stage": stage_record(res, "skip")}}
     if name == "cadence" and res.cadence is None:
         return {"status": "n-a", "reason": NO_RELOAD, "record": {"stage": stage_record(res, "n-a")}}

@@ -104,3 +104,24 @@ def test_a_pipeline_broken_offloader_is_caught_across_ranks(
         line = broken.matching(check_name, [p for p in combined if p.startswith(f"rank {rank}: ")])
         assert line is not None and re.match(rf"rank {rank}: stage {rank} of \d", line), combined
         print(f"{name} on {row}, {check_name}: {line}")  # shown with -s
+
+
+@pytest.mark.heavy
+def test_an_undeclared_offloader_is_learned_per_stage(tmp_path: Path) -> None:
+    """A backend that declares nothing is learned on each stage from that stage's own steps 0
+    and 1 (``harness.execute.pipeline_case``): ``StorageSkip`` passes ``transfers`` on every
+    rank, and ``EvenStepsOnly`` (attn_proj moved on even steps only) fails it on every rank
+    holding an attn_proj group - held to its own first steady step, which moved none, step 2
+    moves it again."""
+    row = next(r.name for r in PP_ROWS if r.name.endswith("_1f1b_bf16_3x4_pp2"))
+    clean, drifting = "undeclared_offloaders:StorageSkip", "undeclared_offloaders:EvenStepsOnly"
+    ranks = _run_job(tmp_path, row, "transfers", [clean, drifting])
+    for rank, said in enumerate(ranks):
+        assert said[clean]["status"] == "pass", (rank, said[clean])
+        assert said[drifting]["status"] == "fail", (rank, said[drifting])
+        assert any(
+            re.search(
+                r"step 2, microbatch \d, layer \d, group attn_proj: held to \{'d2h_copies': 0", p
+            )
+            for p in said[drifting]["problems"]
+        ), said[drifting]["problems"]
