@@ -16,17 +16,15 @@ from __future__ import annotations
 import datetime
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_ranks import run_ranks
 
 from harness.cases import PP_ROWS
 from harness.execute.environment import Environment
-from harness.run import forkserver
 from harness.util import distributed
 from harness.verify.detection import CATALOGUE, entry
 from harness.verify.judge import CaseRuns, check
@@ -66,21 +64,8 @@ def _rank(
 
 def _run_job(folder: Path, row: str, check_name: str, backends: list[str]) -> list[dict]:
     case = next(r for r in PP_ROWS if r.name == row)
-    start = time.monotonic()
-    forkserver.context()
     args = (str(folder / "store"), str(folder), row, check_name, backends)
-    context = mp.start_processes(
-        _rank, args=args, nprocs=case.pipeline, join=False, start_method="forkserver"
-    )
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() - start > JOB_DEADLINE_S:
-                pytest.fail(f"the job of {row} ran past {JOB_DEADLINE_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=10)
+    run_ranks(_rank, args, case.pipeline, JOB_DEADLINE_S, f"the job of {row}")
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(case.pipeline)]
 
 

@@ -33,14 +33,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from child_pytest import torchrun_pytest_command
+from forked_ranks import run_ranks
 
 from harness.cases import SEED_CASE
 from harness.models.pipeline import train_pipeline
 from harness.offload.protocol import Offloader, Wrapper
 from harness.offload.reference import OffloadContext
-from harness.run import forkserver
 
 pytest_plugins = ["pytester"]
 
@@ -110,20 +109,8 @@ def _rank(rank: int, store: str, folder: str, how: str) -> None:
 
 def _run_job(folder: Path, how: str) -> dict[int, str]:
     """Both ranks to their end; what each wrote (a rank that died wrote nothing)."""
-    start = time.monotonic()
-    forkserver.context()
     args = (str(folder / "store"), str(folder), how)
-    context = mp.start_processes(_rank, args=args, nprocs=2, join=False, start_method="forkserver")
-    try:
-        while any(p.is_alive() for p in context.processes):
-            if time.monotonic() - start > JOB_DEADLINE_S:
-                pytest.fail(f"the job ({how}) ran past {JOB_DEADLINE_S} s")
-            time.sleep(0.2)
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=10)
+    run_ranks(_rank, args, 2, JOB_DEADLINE_S, f"the job ({how})", join_errors=False)
     return {
         r: Path(folder, f"rank{r}.txt").read_text()
         for r in (0, 1)

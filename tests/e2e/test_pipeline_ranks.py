@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_ranks import run_ranks
 
 from harness.cases import MOE_ZERO3_CASE, PIPELINE_ROWS, SEED_CASE, Case
 from harness.models import pipeline
@@ -42,7 +41,6 @@ from harness.models.train import clip_locally, train
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import IterationLog, Offloader, Wrapper
 from harness.offload.reference import OffloadContext
-from harness.run import forkserver
 from harness.vocab.spec import model_chunks
 
 GLOO_TIMEOUT_S = 30
@@ -141,23 +139,9 @@ def _stage_copies(case: Case, ranks: int, stage: int, copies: dict[int, int]) ->
 
 def _run_job(row: str, folder: Path, runs: tuple[str, ...] = OFFLOADERS) -> float:
     """Run ``row``'s job to its end (see the module docstring); seconds."""
-    start = time.monotonic()
-    forkserver.context()  # its preload (torch, TorchDynamo) unless a server runs already
     args = (str(folder / "store"), str(folder), row, runs)
     ranks = ROWS[row][1]
-    context = mp.start_processes(
-        _rank, args=args, nprocs=ranks, join=False, start_method="forkserver"
-    )
-    try:
-        while not context.join(timeout=1.0):  # raises with a rank's traceback if one failed
-            if time.monotonic() - start > JOB_DEADLINE_S:
-                pytest.fail(f"the {ranks}-rank job of {row} ran past {JOB_DEADLINE_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=10)
-    return time.monotonic() - start
+    return run_ranks(_rank, args, ranks, JOB_DEADLINE_S, f"the {ranks}-rank job of {row}")
 
 
 @contextlib.contextmanager
