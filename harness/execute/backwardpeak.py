@@ -30,7 +30,7 @@ from harness.execute.predict import Expected, reload_sizes
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import apply_to_first
 from harness.offload.protocol import Group, Offloader, Output, Wrapper
-from harness.offload.recorder import GroupObservation
+from harness.offload.recorder import GroupObservation, Identity
 from harness.offload.semantics import GroupKey, Semantics
 
 NESTING = frozenset({"attn_norm", "mlp_norm"})
@@ -103,7 +103,7 @@ class BackwardSampler(Wrapper):
     def group(self, name: str, x: torch.Tensor, *, layer: int) -> Group:
         key = (self._microbatch, layer, name)
         if self._marks(x):
-            x = _OwnInput.apply(x)  # the group's input has no other consumer (class docstring)
+            x = Identity.apply(x)  # the group's input has no other consumer (class docstring)
         inner = self.inner.group(name, x, layer=layer)
         if self._marks(inner.input):
             inner.input.register_hook(lambda grad: self.read(END, key))
@@ -115,18 +115,6 @@ class BackwardSampler(Wrapper):
 
     def _marks(self, tensor: Any) -> bool:
         return self.armed and isinstance(tensor, torch.Tensor) and tensor.requires_grad
-
-
-class _OwnInput(torch.autograd.Function):
-    """Identity: the input the sampler hands the inner offloader, used by the group alone."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
 
 
 class _StartMark(torch.autograd.Function):

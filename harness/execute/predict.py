@@ -72,7 +72,7 @@ def copy_sizes_of(
 ) -> tuple[int, ...]:
     """The bytes of each copy one offload of the group makes (one way), sorted: one per moved
     saved tensor, or one for them all where the rule batches them."""
-    sizes = [copy_bytes(s, semantics) for s in _copied(obs, config, semantics)]
+    sizes = reload_sizes(obs, config, semantics)
     if semantics.batched:
         return (sum(sizes),) if sum(sizes) else ()
     return tuple(sorted(sizes))

@@ -99,7 +99,8 @@ class Observed:
     overdrawn: list[tuple[GroupKey | None, int, int]] = field(default_factory=list)
     """(group, bytes copied out, bytes saved) of every saved storage the step's D2H copies read
     more bytes from than its saves hold (each save of a tensor allows its whole storage once):
-    the same data copied out twice, which no rule of any offloader explains."""
+    the same data copied out twice, which no rule of any offloader explains
+    (``CopyObserver.overdrawn``, set when the step's observation ends)."""
     stale_marks: list[tuple[GroupKey, int, int, int]] = field(default_factory=list)
     """(group, bytes, step marked, step) of every saved tensor the offloader kept on the device
     (its pack returned it) at an address where the model had marked a storage that no longer
@@ -375,11 +376,22 @@ class CopyObserver(TorchDispatchMode):
         if entry is not None and _owns(entry[0](), address):
             self.allowed[address] = (entry[0], entry[1] + nbytes)
             return
+        self._forget(address)
         self.allowed[address] = (weakref.ref(local), nbytes)
+
+    def _forget(self, address: int) -> None:
+        """The storage noted at ``address`` is gone: its bound and reads end there, and its
+        overdraw, if any, stays reported (``settled``)."""
+        self.allowed.pop(address, None)
         self.drawn.pop(address, None)
         settled = self.over.pop(address, None)
-        if settled is not None:  # the earlier storage's overdraw stays reported
+        if settled is not None:
             self.settled.append(settled)
+
+    def overdrawn(self) -> list[tuple[GroupKey | None, int, int]]:
+        """Every saved storage the step's D2H copies read more of than its saves hold
+        (``Observed.overdrawn``, filled when the step's observation ends)."""
+        return [*self.settled, *self.over.values()]
 
     def _draw(self, src: torch.Tensor, nbytes: int, group: GroupKey | None) -> None:
         """A D2H read ``nbytes`` of ``src``: past what its saves allow, the step notes it
@@ -391,16 +403,11 @@ class CopyObserver(TorchDispatchMode):
         if entry is None:
             return
         if not _owns(entry[0](), address):
-            del self.allowed[address]
-            self.drawn.pop(address, None)
-            settled = self.over.pop(address, None)
-            if settled is not None:
-                self.settled.append(settled)
+            self._forget(address)
             return
         drawn = self.drawn[address] = self.drawn.get(address, 0) + nbytes
         if drawn > entry[1]:
             self.over[address] = (group, drawn, entry[1])
-            self.observed.overdrawn = [*self.settled, *self.over.values()]
 
     def __torch_dispatch__(
         self,

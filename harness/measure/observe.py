@@ -512,6 +512,7 @@ def observe(offloader: Offloader, device: torch.device, sink: list[Observed]) ->
         offloader.state.observer = None
         mode.keep.clear()  # the observer's own hold on what the D2H copies wrote ends here
     mode.observed.held = held(offloader.state)
+    mode.observed.overdrawn = mode.overdrawn()
     sink.append(mode.observed)
 
 

@@ -70,7 +70,10 @@ class _Holder:
         self.tensor = tensor
 
 
-class _Identity(torch.autograd.Function):
+class Identity(torch.autograd.Function):
+    """An autograd node that passes its input on: a tensor of the node's own, so a hook or a
+    module hangs on it alone, not on what else reads the input."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -88,7 +91,7 @@ class _RecordingGroup:
         self._hooks: Any = None
         self._index = len(owner.observations)
         owner.observations.append(None)  # filled at commit: observations stay in start order
-        self.input = _Identity.apply(x)
+        self.input = Identity.apply(x)
 
     def __enter__(self) -> _RecordingGroup:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
@@ -117,7 +120,7 @@ class _RecordingGroup:
             saved=tuple(self._saved),
             released=released,
         )
-        return apply_to_first(output, _Identity.apply)
+        return apply_to_first(output, Identity.apply)
 
 
 def _opted_out(tensor: torch.Tensor) -> bool:

@@ -128,14 +128,7 @@ def model_bytes(spec: ModelSpec, precision: str, chunks: int = 1) -> tuple[int, 
     from harness.models.train import DTYPES
     from harness.offload.passthrough import NoOffload
 
-    ours = spec.replace(
-        impl="harness",
-        recompute="",
-        cuda_graph="",
-        mtp="",
-        offload_buffer_kib=0,
-        pattern="".join(spec.all_layers),
-    )
+    ours = _as_ours(spec)
     # built on the CPU with its parameters uninitialised (``torch.empty``), then moved: building
     # under the meta device first compiles decompositions (1.6 s on the 2-core machine, once)
     model = HybridModel(ours).to(device="meta", dtype=DTYPES[precision])
@@ -163,13 +156,10 @@ def model_bytes(spec: ModelSpec, precision: str, chunks: int = 1) -> tuple[int, 
 
 
 @functools.lru_cache(maxsize=64)
-def largest_shard_unit(spec: ModelSpec) -> int:
-    """The parameters of ``spec``'s largest FSDP2 unit under sharding ``zero3``: a layer (each
-    is ``fully_shard``-ed), or the root's own parameters (embedding, final norm, head), counted
-    on the meta device (``harness.models.train.shard_model``)."""
-    from harness.models.hybrid import HybridModel
-
-    ours = spec.replace(
+def _as_ours(spec: ModelSpec) -> ModelSpec:
+    """``spec`` as our own model of the same layers (what the estimates build and count): no
+    megatron-core knobs, every layer of the pattern."""
+    return spec.replace(
         impl="harness",
         recompute="",
         cuda_graph="",
@@ -177,6 +167,15 @@ def largest_shard_unit(spec: ModelSpec) -> int:
         offload_buffer_kib=0,
         pattern="".join(spec.all_layers),
     )
+
+
+def largest_shard_unit(spec: ModelSpec) -> int:
+    """The parameters of ``spec``'s largest FSDP2 unit under sharding ``zero3``: a layer (each
+    is ``fully_shard``-ed), or the root's own parameters (embedding, final norm, head), counted
+    on the meta device (``harness.models.train.shard_model``)."""
+    from harness.models.hybrid import HybridModel
+
+    ours = _as_ours(spec)
     model = HybridModel(ours).to(device="meta")
     layers = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
     root = sum(p.numel() for p in model.parameters()) - sum(layers)

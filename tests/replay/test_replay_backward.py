@@ -58,11 +58,9 @@ def _boundaries(samples: list[list[Any]]) -> list[tuple[str, tuple[int, int, str
     return [(kind, (mb, layer, name)) for kind, mb, layer, name, _ in samples]
 
 
-def _cpu_order(row: str, offloader: Offloader, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The boundaries the sampler marks in the final step of ``row``'s memory run on CPU."""
-    reads = iter(range(1, 1_000_000))
-    monkeypatch.setattr(backwardpeak, "requested_bytes", lambda device: next(reads))
-    case = {c.name: c for c in matrix("full")}[row]
+def _sampled_run(case: Any, offloader: Offloader) -> BackwardSampler:
+    """``case``'s memory run on CPU through the backward sampler, armed in its final step (the
+    readings are whatever ``backwardpeak.requested_bytes`` returns there)."""
     run = memory_run_spec(case)
     sampler = BackwardSampler(offloader, CPU)
 
@@ -74,7 +72,15 @@ def _cpu_order(row: str, offloader: Offloader, monkeypatch: pytest.MonkeyPatch) 
 
     spec = Environment(device=CPU).spec(case)
     train(spec, run, sampler, CPU, hooks=RunHooks(step_context=step_context))
-    return [s[:2] for s in sampler.samples]
+    return sampler
+
+
+def _cpu_order(row: str, offloader: Offloader, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The boundaries the sampler marks in the final step of ``row``'s memory run on CPU."""
+    reads = iter(range(1, 1_000_000))
+    monkeypatch.setattr(backwardpeak, "requested_bytes", lambda device: next(reads))
+    case = {c.name: c for c in matrix("full")}[row]
+    return [s[:2] for s in _sampled_run(case, offloader).samples]
 
 
 @pytest.mark.parametrize(("file", "row", "recording"), PARAMS)
@@ -204,18 +210,8 @@ def _live_bytes_at_boundaries(
             return index
 
     monkeypatch.setattr(backwardpeak, "requested_bytes", reading)
-    run = memory_run_spec(case)
-    sampler = BackwardSampler(offloader, CPU)
-
-    @contextlib.contextmanager
-    def step_context(step: int):
-        sampler.armed = step == run.steps - 1
-        yield
-        sampler.armed = False
-
-    spec = Environment(device=CPU).spec(case)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        train(spec, run, sampler, CPU, hooks=RunHooks(step_context=step_context))
+        sampler = _sampled_run(case, offloader)
     live, at = 0, {}
     for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
         if event.name() == "[memory]":
