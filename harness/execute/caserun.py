@@ -11,7 +11,8 @@ from harness.execute.cadence import Cadence
 from harness.execute.consistency import OwnRule, Sizes, size_difference
 from harness.execute.learn import ObservedRule, expected_fields
 from harness.execute.predict import Expected, copy_sizes_of
-from harness.measure.observe import Copy
+from harness.measure.footprint import Footprint
+from harness.measure.observe import Copy, Observed
 from harness.measure.syncguard import GuardedRun
 from harness.measure.transfers import TransferCounts
 from harness.models.runs import TrainResult
@@ -80,6 +81,16 @@ class CaseRun:
     held: tuple[tuple[tuple[int, GroupKey, int], ...], ...] = ()
     """Per step: (step written, group, bytes) of the host storages observed D2H copies wrote
     that were still alive at the step's end (``harness.measure.observe.Observed.held``)."""
+    footprints: tuple[Footprint, ...] = ()
+    """Per step: host memory held beside bytes in flight at each group boundary
+    (``harness.measure.footprint``)."""
+    new_host: tuple[tuple[tuple[GroupKey, int], ...], ...] = ()
+    """Per step: (group, bytes) of the host storages its D2H copies wrote at an address no
+    earlier step's did (``Observed.new_host``)."""
+    host_allocs: tuple[int | None, ...] = ()
+    final_observed: Observed | None = None
+    """The final step as the copy observer saw it (a replay fixture records it)."""
+    """Per step, on CUDA: pinned blocks the caching host allocator newly allocated."""
     weight_copies: tuple[tuple[int, Copy], ...] = ()
     """(step, copy) of every D2H in the offload run whose source is a weight: a parameter's
     storage, a cast of a parameter a group saved, or a tensor the model marked

@@ -52,6 +52,7 @@ from harness.execute.consistency import copy_sizes, own_expected, steady_proof
 from harness.execute.environment import Environment, closing
 from harness.execute.learn import ObservedRule, learn_from_steps
 from harness.execute.predict import Expected, inert_reason, predict
+from harness.measure.footprint import host_fields
 from harness.measure.observe import Observed, Windowed, corrupted_reloads
 from harness.measure.syncguard import (
     GUARDED_STEP,
@@ -365,6 +366,7 @@ class _CaseSteps:
             packed=tuple(dict(o.packed) for o in seen),
             unpacked=tuple(dict(o.unpacked) for o in seen),
             held=tuple(tuple(o.held) for o in seen),
+            **host_fields(mine),
             copy_sizes=tuple(copy_sizes(o) for o in mine),
             relaid=tuple(o.relaid for o in seen),
             stale_marks=tuple(m for o in seen for m in o.stale_marks),

@@ -6,6 +6,7 @@ docstring; the windows it reads are that module's, which re-exports every name."
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import weakref
 from collections import Counter, defaultdict
@@ -48,6 +49,8 @@ class _Windows(Protocol):
     packing: GroupKey | None
     weights: dict[int, list[_Noted]]
     written: dict[int, _Written]
+    first_written: dict[int, int]
+    host_base: int | None
     steps: int
 
     def current(self) -> GroupKey | None: ...
@@ -71,6 +74,45 @@ class Copy:
     seq: int = -1
     """Its place in the step's sequence of copies and backward marks (``Observed.marks``):
     what the cadence check (``harness.execute.cadence``) orders reloads by."""
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """The host memory at one group boundary of an observed step: a group occurrence's commit
+    returned (``commit``, the forward), its backward started (``start``) or ended (``end``).
+    ``harness.measure.footprint`` sets it beside the bytes in flight at the same point."""
+
+    seq: int
+    """Its place in the step's sequence of copies and marks (``Copy.seq``)."""
+    kind: str
+    group: GroupKey
+    held: int
+    """Bytes of the host storages the run's observed D2H copies wrote (this step's and earlier
+    steps') that something other than the observer holds now: the offloader's host copies and
+    pool buffers, found through the harness's copies."""
+    allocated: int | None = None
+    """On CUDA: the caching host allocator's bytes in use (``allocated_bytes.current``: whole
+    power-of-two blocks) less its reading when the run's first observed step began; None on
+    CPU."""
+
+
+def host_allocator_stats() -> dict[str, int]:
+    """The caching host allocator's counters (``torch.cuda.host_memory_stats``): bytes in
+    use and reserved, and how many pinned blocks it has asked the driver for."""
+    stats = torch.cuda.host_memory_stats()
+    return {
+        "allocated": int(stats.get("allocated_bytes.current", 0)),
+        "reserved": int(stats.get("reserved_bytes.current", 0)),
+        "host_allocs": int(stats.get("num_host_alloc", 0)),
+    }
+
+
+def _held_elsewhere(storage: torch.UntypedStorage, kept: bool) -> bool:
+    """Whether something other than the observer holds ``storage``: a tensor on it (the
+    storage's C++ use count counts each tensor and the one Python object) or another Python
+    reference to its object (the references here: the caller's, this call's, ``getrefcount``'s
+    argument, and the observer's ``keep`` list where ``kept``)."""
+    return torch._C._storage_Use_Count(storage._cdata) > 1 or sys.getrefcount(storage) > 3 + kept
 
 
 @dataclass(kw_only=True)
@@ -110,6 +152,14 @@ class Observed:
     started (the gradient of its window's output arrived) and ended (the gradient of its
     window's input is complete), in the same sequence as ``Copy.seq``; the harness's own
     autograd hooks, no cooperation from the offloader."""
+    boundaries: list[Boundary] = field(default_factory=list)
+    """The host memory held at every group boundary of the step (``Boundary``)."""
+    new_host: list[tuple[GroupKey, int]] = field(default_factory=list)
+    """(group, bytes) of every host storage a D2H of the step wrote at an address no D2H of an
+    earlier observed step of the run wrote: host memory new to the offloader's copies."""
+    host_allocs: int | None = None
+    """On CUDA: pinned blocks the caching host allocator asked the driver for during the step
+    (its ``num_host_alloc``, any caller); None on CPU."""
     commits: list[GroupKey] = field(default_factory=list)
     """Group occurrences in the order their commits returned in the step's forwards (groups
     nest: attn_norm starts before the attention groups and commits after them), the order
@@ -208,6 +258,9 @@ class Observed:
             commits=self.commits,
             stale_marks=self.stale_marks,
             overdrawn=self.overdrawn,
+            boundaries=self.boundaries,
+            new_host=self.new_host,
+            host_allocs=self.host_allocs,
         )
 
 
@@ -276,6 +329,8 @@ class CopyObserver(TorchDispatchMode):
         self.written: dict[int, GroupKey] = {}
         """Host address a D2H wrote -> its group (the latest D2H into that address)."""
         self.keep: list[torch.UntypedStorage] = []
+        self.kept: set[int] = set()
+        """``id`` of each storage in ``keep``."""
         """Every host storage a D2H wrote, held until the step ends: no address a D2H wrote
         can be freed and reused by another tensor while the step is observed (host memory
         only; device memory and what the offloader frees are untouched)."""
@@ -304,11 +359,26 @@ class CopyObserver(TorchDispatchMode):
         """Group occurrence ``key``'s commit returned (``Observed.commits``)."""
         with self.lock:
             self.observed.commits.append(key)
+            self._boundary(next(self._seq), "commit", key)
 
     def mark_backward(self, kind: str, key: GroupKey) -> None:
         """Group occurrence ``key``'s backward started or ended (``Observed.marks``)."""
         with self.lock:
-            self.observed.marks.append((next(self._seq), kind, key))
+            seq = next(self._seq)
+            self.observed.marks.append((seq, kind, key))
+            self._boundary(seq, kind, key)
+
+    def _boundary(self, seq: int, kind: str, key: GroupKey) -> None:
+        """Note the host memory held now (``Boundary``); under ``lock``."""
+        held = 0
+        for written in self.state.written.values():
+            storage = written.ref()
+            if storage is not None and _held_elsewhere(storage, id(storage) in self.kept):
+                held += storage.nbytes()
+        allocated = None
+        if not self.host_device and self.state.host_base is not None:
+            allocated = host_allocator_stats()["allocated"] - self.state.host_base
+        self.observed.boundaries.append(Boundary(seq, kind, key, held, allocated))
 
     def _saved_group(self, tensor: torch.Tensor) -> GroupKey | None:
         """The group that saved ``tensor``'s storage while the tensor it noted still owns that
@@ -479,8 +549,15 @@ class CopyObserver(TorchDispatchMode):
     def _wrote(self, dst: torch.Tensor, group: GroupKey) -> None:
         self.written[dst.data_ptr()] = group
         storage = dst.untyped_storage()
-        self.keep.append(storage)
-        self.state.written[storage.data_ptr()] = _Written(storage, group, self.state.steps - 1)
+        if id(storage) not in self.kept:
+            self.keep.append(storage)
+            self.kept.add(id(storage))
+        address = storage.data_ptr()
+        if address not in self.state.first_written:
+            self.state.first_written[address] = self.state.steps - 1
+            if self.state.steps > 1:
+                self.observed.new_host.append((group, storage.nbytes()))
+        self.state.written[address] = _Written(storage, group, self.state.steps - 1)
 
     def _add(
         self,

@@ -78,6 +78,7 @@ from harness.measure.checksums import (
 )
 from harness.measure.copyobserver import (
     _COPY_OPS,
+    Boundary,
     Copy,
     CopyObserver,
     Observed,
@@ -89,6 +90,7 @@ from harness.measure.copyobserver import (
     _signature,
     _storage,
     _Written,
+    host_allocator_stats,
 )
 from harness.measure.threads import observing, watch_threads
 from harness.offload.protocol import (
@@ -107,6 +109,7 @@ from harness.vocab.spec import label_pass
 
 __all__ = [
     "_COPY_OPS",
+    "Boundary",
     "Copy",
     "CopyObserver",
     "GroupKey",
@@ -127,6 +130,7 @@ __all__ = [
     "checksum",
     "corrupted_reloads",
     "held",
+    "host_allocator_stats",
     "observe",
 ]
 
@@ -150,6 +154,11 @@ class _WindowState:
         """Host address -> the storage a D2H of an observed step wrote there (weakly), its
         group and that step, across the run's steps: what of it is still alive at a step's end
         is host memory the offloader holds across iterations (``Observed.held``)."""
+        self.first_written: dict[int, int] = {}
+        """Host address -> the first observed step a D2H wrote there (``Observed.new_host``)."""
+        self.host_base: int | None = None
+        """On CUDA: the caching host allocator's bytes in use when the run's first observed step
+        began (``Boundary.allocated`` is read against it)."""
         self.steps = 0
         """Observed steps begun so far (every step of the offload run is observed)."""
         self.weights: dict[int, list[_Noted]] = {}
@@ -503,6 +512,10 @@ def observe(offloader: Offloader, device: torch.device, sink: list[Observed]) ->
         )
     watch_threads()  # an offloader's own threads' copies are seen too (harness.measure.threads)
     mode = CopyObserver(offloader.state, device)
+    cuda = device.type == "cuda"
+    allocs = host_allocator_stats() if cuda else None
+    if allocs is not None and offloader.state.host_base is None:
+        offloader.state.host_base = allocs["allocated"]
     offloader.state.steps += 1
     offloader.state.observer = mode
     try:
@@ -511,6 +524,9 @@ def observe(offloader: Offloader, device: torch.device, sink: list[Observed]) ->
     finally:
         offloader.state.observer = None
         mode.keep.clear()  # the observer's own hold on what the D2H copies wrote ends here
+        mode.kept.clear()
+    if allocs is not None:
+        mode.observed.host_allocs = host_allocator_stats()["host_allocs"] - allocs["host_allocs"]
     mode.observed.held = held(offloader.state)
     mode.observed.overdrawn = mode.overdrawn()
     sink.append(mode.observed)

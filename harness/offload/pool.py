@@ -5,6 +5,15 @@ back to the pool as soon as its H2D copy is *enqueued*, together with the event 
 copy's completion; the next user of the buffer makes its own stream wait on that event before
 writing into it, so a pooled buffer is never overwritten while an H2D still reads it, and the
 host never blocks.
+
+On CUDA a pool buffer is pinned memory of its own size (``harness.offload.pinned.exact_pinned``),
+not a caching-allocator block rounded up to a power of two: the pool keeps its buffers for the
+run, so the rounding would be paid every step and reuse gains nothing. After the first steady
+iteration the pool drops the buffers that iteration did not need at once (``trim``): the warmup
+offloads every group, a steady iteration fewer, and the pool then holds what a steady iteration
+has in flight at its peak. A buffer beyond a cap stays a caching-allocator block: it is dropped
+at its release while its H2D may still read it, which only that allocator's event bookkeeping
+makes safe.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils.deterministic
+
+from harness.offload.pinned import exact_pinned
 
 PoolKey = tuple[tuple[int, ...], torch.dtype]
 
@@ -60,6 +71,8 @@ class PoolStats:
     pool_hits: int = 0
     pool_misses: int = 0
     exhausted: int = 0
+    trimmed: int = 0
+    """Buffers ``HostBufferPool.trim`` dropped."""
     """Requests the pool could not serve because its cap was reached (each got a buffer of its
     own outside the pool, dropped again at its release)."""
 
@@ -76,6 +89,8 @@ class HostBufferPool:
         self._outside: set[int] = set()  # ids of the handed-out buffers beyond the cap
         # key -> free buffers, each with the event its last reader recorded (None: free now)
         self._free: dict[PoolKey, deque[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
+        self._out: dict[PoolKey, int] = {}  # key -> pooled buffers handed out now
+        self._peak: dict[PoolKey, int] = {}  # key -> the most handed out at once since a trim
 
     def acquire(
         self, shape: torch.Size, dtype: torch.dtype, stream: torch.cuda.Stream | None
@@ -89,6 +104,10 @@ class HostBufferPool:
         stats.current_in_use += 1
         key = (tuple(shape), dtype)
         free = self._free.get(key)
+        if free or self.cap is None or stats.total_allocated < self.cap:
+            out = self._out[key] = self._out.get(key, 0) + 1
+            if out > self._peak.get(key, 0):
+                self._peak[key] = out
         if free:
             buffer, pending_read = free.popleft()
             if pending_read is not None and stream is not None:
@@ -100,11 +119,13 @@ class HostBufferPool:
         if free is None:
             self._free[key] = deque()  # ``release`` appends to it
         stats.pool_misses += 1
-        buffer = staging_buffer(shape, dtype, pin_memory=self.pin_memory)
         if self.cap is not None and stats.total_allocated >= self.cap:
+            buffer = staging_buffer(shape, dtype, pin_memory=self.pin_memory)
             stats.exhausted += 1
             self._outside.add(id(buffer))  # the caller holds it until its release
             return buffer, False
+        exact = exact_pinned(shape, dtype) if self.pin_memory else None
+        buffer = exact if exact is not None else staging_buffer(shape, dtype, pin_memory=False)
         stats.total_allocated += 1
         return buffer, False
 
@@ -117,8 +138,43 @@ class HostBufferPool:
             # allocator keeps a pinned block until the work recorded on it is done.
             self._outside.discard(id(buffer))
             return
-        self._free[(tuple(buffer.shape), buffer.dtype)].append((buffer, pending_read))
+        key = (tuple(buffer.shape), buffer.dtype)
+        self._out[key] -= 1
+        self._free[key].append((buffer, pending_read))
+
+    def count_peaks(self) -> None:
+        """Count the most buffers handed out at once from now on (what ``trim`` keeps)."""
+        self._peak = dict(self._out)
+
+    def trim(self) -> int:
+        """Drop the free buffers beyond the most handed out at once per (shape, dtype) since
+        ``count_peaks`` (or the last trim, or the pool's start), and start counting again; a
+        buffer whose last reader's event has not completed is kept (its memory is not the
+        caching allocator's: nothing else would wait for that read). Returns the buffers
+        dropped (``stats.trimmed``; ``stats.total_allocated`` counts every buffer ever made)."""
+        dropped = 0
+        for key, free in self._free.items():
+            extra = len(free) + self._out.get(key, 0) - self._peak.get(key, 0)
+            kept: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
+            while free:
+                buffer, pending = free.popleft()
+                if extra > 0 and (pending is None or pending.query()):
+                    extra -= 1
+                    dropped += 1
+                else:
+                    kept.append((buffer, pending))
+            self._free[key] = kept
+        self._peak = dict(self._out)
+        self.stats.trimmed += dropped
+        return dropped
 
     def clear(self) -> None:
-        """Drop every buffer."""
+        """Drop every buffer, once the copies that read them have finished (on CUDA a pinned
+        buffer of its own is unregistered and unmapped as it goes; run at the end of a run)."""
+        for free in self._free.values():
+            for _, pending in free:
+                if pending is not None:
+                    pending.synchronize()
         self._free.clear()
+        self._out.clear()
+        self._peak.clear()

@@ -186,6 +186,14 @@ class Capabilities:
     function returning one that ``harness.offload.backends.capabilities`` calls when asked (the
     ``mcore`` backend reads the installed megatron-core's); None: Megatron-Core main's."""
     race_delays: bool = False
+    host_pool: bool = False
+    """It keeps its host buffers in a pool filled in the warmup: host memory new to its copies in
+    a later step is a ``leaks`` failure (``harness.verify.checks.footprint_problems``). A backend
+    whose iteration log reports pool buffers (``IterationLog.pool_allocated``) is held to it
+    too."""
+    host_bound: float | None = None
+    """The most host memory it holds per byte it has in flight, at its final step's peak
+    (``harness.measure.footprint``): above it is a ``leaks`` failure; None: reported only."""
     """It takes a ``delays=`` keyword (``harness.offload.reference.RaceDelays``), so
     ``<backend>+delays`` applies to it."""
     unavailable: Callable[[torch.device], str | None] | None = None

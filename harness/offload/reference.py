@@ -164,6 +164,13 @@ _start_apply = _fast_apply(_GroupStart)
 _commit_apply = _fast_apply(_GroupCommit)
 
 
+HOST_BOUND = 1.05
+"""The host memory the reference may hold per byte in flight at its final step's peak: its pool
+keeps what its first steady step needed at once, in buffers of their own size (on CUDA pinned
+pages of their own, not the caching host allocator's power-of-two blocks;
+``harness.offload.pool``)."""
+
+
 class OffloadContext(CopyEngine):
     """Backend ``reference``: one training run's activation offloader."""
 
@@ -172,6 +179,8 @@ class OffloadContext(CopyEngine):
         description="the bundled reference offloader (Megatron-Core semantics, known bugs fixed)",
         semantics=MEGATRON_MAIN,
         race_delays=True,
+        host_pool=True,
+        host_bound=HOST_BOUND,
     )
     """Its backend record; variants inherit it (Megatron-Core main's semantics, ``delays=``)."""
 
@@ -192,6 +201,9 @@ class OffloadContext(CopyEngine):
         self._init_copies()  # streams, pool, copy bookkeeping (harness.offload.copies)
         self.enabled = True
         self.warmup = True
+        self._trim_due = False
+        """The warmup ended and the pool has not been trimmed to a steady iteration's needs yet
+        (``HostBufferPool.trim`` at the end of the first steady iteration)."""
         self.summary_bytes: dict[str, int] = {}
         self._chunks: dict[int, ChunkState] = {}  # by microbatch, in forward order
         self._backward_order: list[ChunkState] = []
@@ -332,6 +344,12 @@ class OffloadContext(CopyEngine):
                 group.entries = {}
             chunk._reset()
         self.pool.stats.current_in_use = 0
+        if was_warmup:
+            self.pool.count_peaks()
+            self._trim_due = True
+        elif self._trim_due and active:  # the first steady iteration: what a steady one needs
+            self.pool.trim()
+            self._trim_due = False
         self._pending_d2h.clear()
         self._current = None
         self._microbatch = None

@@ -10,8 +10,10 @@ One table per kind of figure, keyed by the run (``runs.id``, the order runs were
 * ``memory`` - the device memory readings where the memory check ran (CUDA): after the last
   forward and peak, both runs, and the backward's peaks;
 * ``transfers`` - copies and bytes per direction of the final step;
-* ``host`` - the host footprint: on CPU the bytes of the host copies the harness saw still held
-  at a step's end (``leaks.host_held_bytes``, its largest step);
+* ``host`` - the host footprint: the bytes of the host copies the harness saw still held at a
+  step's end (``leaks.host_held_bytes``, its largest step), and at the final step's group
+  boundaries the peak held, the peak in flight and their ratio (``leaks.host_footprint``,
+  ``harness.measure.footprint``);
 * ``bench`` - per bench model and variant: step seconds, step ratio to the baseline, copy rate,
   offloader host time, peak bytes (``offload-harness bench``'s ``bench.json``).
 
@@ -104,6 +106,19 @@ MIGRATIONS: tuple[Migration, ...] = (
             " host_s REAL, peak_bytes INTEGER, PRIMARY KEY (run_id, model, variant))",
         ),
     ),
+    Migration(
+        4,
+        "host footprint at group boundaries: peak held, peak in flight, their ratio; the same "
+        "per bench variant",
+        (
+            "ALTER TABLE host ADD COLUMN peak_held INTEGER",
+            "ALTER TABLE host ADD COLUMN peak_in_flight INTEGER",
+            "ALTER TABLE host ADD COLUMN ratio REAL",
+            "ALTER TABLE bench ADD COLUMN host_held INTEGER",
+            "ALTER TABLE bench ADD COLUMN host_in_flight INTEGER",
+            "ALTER TABLE bench ADD COLUMN host_ratio REAL",
+        ),
+    ),
 )
 """The schema's steps, oldest first; ``MIGRATIONS[i].version == i + 1``."""
 
@@ -139,8 +154,20 @@ FIGURE_TABLES: dict[str, tuple[str, ...]] = {
         "predicted_drop",
     ),
     "transfers": ("d2h_copies", "d2h_bytes", "h2d_copies", "h2d_bytes"),
-    "host": ("held_bytes", "held_bytes_final", "source"),
-    "bench": ("model", "variant", "status", "step_s", "ratio", "copy_gbs", "host_s", "peak_bytes"),
+    "host": ("held_bytes", "held_bytes_final", "source", "peak_held", "peak_in_flight", "ratio"),
+    "bench": (
+        "model",
+        "variant",
+        "status",
+        "step_s",
+        "ratio",
+        "copy_gbs",
+        "host_s",
+        "peak_bytes",
+        "host_held",
+        "host_in_flight",
+        "host_ratio",
+    ),
 }
 """Per table, the columns of its rows beside ``run_id`` (and ``case_name``, except bench's)."""
 

@@ -170,10 +170,22 @@ def transfer_row(case: Mapping[str, Any]) -> dict[str, Any] | None:
 def host_row(case: Mapping[str, Any]) -> dict[str, Any] | None:
     """The host footprint the harness saw: the most host bytes its observed D2H copies wrote
     that were still alive at a step's end, and the last step's (None without the records)."""
-    held = (case.get("leaks") or {}).get("host_held_bytes")
+    leaks = case.get("leaks") or {}
+    held = leaks.get("host_held_bytes")
     if not isinstance(held, list) or not held:
         return None
-    return {"held_bytes": max(held), "held_bytes_final": held[-1], "source": "harness-held"}
+    row: dict[str, Any] = {
+        "held_bytes": max(held),
+        "held_bytes_final": held[-1],
+        "source": "harness-held",
+    }
+    footprint = leaks.get("host_footprint")
+    if isinstance(footprint, Mapping):
+        row["source"] = f"boundaries-{footprint.get('source')}"
+        row["peak_held"] = footprint.get("peak_held_bytes")
+        row["peak_in_flight"] = footprint.get("peak_in_flight_bytes")
+        row["ratio"] = footprint.get("ratio")
+    return row
 
 
 def bench_rows(bench: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -184,6 +196,8 @@ def bench_rows(bench: Mapping[str, Any]) -> list[dict[str, Any]]:
     for entry in bench.get("models", []):
         for variant, result in (entry.get("variants") or {}).items():
             host = result.get("host_time")
+            footprint = result.get("host_footprint")
+            footprint = footprint if isinstance(footprint, dict) else {}
             out.append(
                 {
                     "model": str(entry.get("model")),
@@ -194,6 +208,9 @@ def bench_rows(bench: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "copy_gbs": result.get("effective_gbs"),
                     "host_s": host.get("total_s") if isinstance(host, dict) else None,
                     "peak_bytes": result.get("peak_bytes"),
+                    "host_held": footprint.get("peak_held_bytes"),
+                    "host_in_flight": footprint.get("peak_in_flight_bytes"),
+                    "host_ratio": footprint.get("ratio"),
                 }
             )
     return out

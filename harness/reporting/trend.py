@@ -110,6 +110,16 @@ FIGURES: tuple[Figure, ...] = (
         1,
         1.0,
     ),
+    Figure(
+        "host_ratio",
+        "host",
+        "ratio",
+        "host bytes held per byte in flight",
+        "x",
+        "host footprint",
+        1,
+        1e-4,
+    ),
     Figure("d2h_copies", "transfers", "d2h_copies", "D2H copies per step", "", "transfers", 0, 1.0),
     Figure("d2h_bytes", "transfers", "d2h_bytes", "D2H bytes per step", "B", "transfers", 0, 1.0),
     Figure("h2d_copies", "transfers", "h2d_copies", "H2D copies per step", "", "transfers", 0, 1.0),
@@ -128,6 +138,16 @@ FIGURES: tuple[Figure, ...] = (
         "time",
         1,
         0.0,
+    ),
+    Figure(
+        "bench_host_ratio",
+        "bench",
+        "host_ratio",
+        "bench host bytes held per byte in flight",
+        "x",
+        "host footprint",
+        1,
+        1e-4,
     ),
     Figure(
         "bench_peak_bytes", "bench", "peak_bytes", "bench peak bytes", "B", "peak memory", 1, 1.0

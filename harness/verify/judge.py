@@ -51,6 +51,7 @@ from harness.execute.steps import run_case
 from harness.measure import fingerprint
 from harness.measure.syncguard import GUARDED_STEP
 from harness.models.runs import Refused
+from harness.offload.protocol import Capabilities
 from harness.reporting.report import case_record, memory_record
 from harness.util import progress
 from harness.util.globalstate import GlobalStateChanged
@@ -71,6 +72,7 @@ from harness.verify.checks import (
     unordered_reason,
     weight_problems,
 )
+from harness.verify.hostchecks import footprint_problems
 from harness.verify.memorycheck import memory_problems
 from harness.verify.pipeline_checks import stage_outcome
 from harness.vocab.impls import IMPLS
@@ -274,13 +276,20 @@ def _leaks(runs: CaseRuns) -> CheckOutcome:
             "log_cross_check": bool(res.offload.logs),
         }
     }
+    if res.footprints and res.footprints[-1].points:
+        record["leaks"]["host_footprint"] = res.footprints[-1].as_record()
+        record["leaks"]["host_new_bytes"] = [sum(n for _, n in new) for new in res.new_host]
+        if any(a is not None for a in res.host_allocs):
+            record["leaks"]["host_allocs"] = list(res.host_allocs)
     pool = pool_record(runs.case, res)
     if pool is not None:
         record["pool"] = pool
     blind = leak_evidence(res)
     if blind is not None:
         return CheckOutcome(name="leaks", status="skip", reason=blind, record=record)
-    outcome = _from_problems("leaks", leak_problems(runs.case, res), **record)
+    capabilities = Capabilities() if runs.env.undeclared else runs.env.record.capabilities
+    problems = leak_problems(runs.case, res) + footprint_problems(runs.case, res, capabilities)
+    outcome = _from_problems("leaks", problems, **record)
     if pool is not None and outcome.status == "pass" and pool["exhausted"]:
         reason = (
             f"pinned pool capped at {pool['cap']} buffers: exhausted {pool['exhausted'][-1]} "

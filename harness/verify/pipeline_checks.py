@@ -36,6 +36,7 @@ from harness.cases import Case
 from harness.execute.attribution import group_differences
 from harness.execute.learn import LEARNED_ONLY, expected_fields
 from harness.execute.pipeline_case import StageRun, check_world
+from harness.measure.footprint import footprint
 from harness.measure.observe import corrupted_reloads
 from harness.verify.checks import _step_fidelity, pool_cap_problems
 
@@ -222,6 +223,8 @@ def stage_outcome(
     problems = labelled(res, PROBLEMS[name](res))
     status = "fail" if problems else "pass"
     record: dict[str, Any] = {"stage": stage_record(res, status, problems)}
+    if name == "leaks" and res.seen:  # this stage's host footprint (reported, not judged yet)
+        record["stage"]["host_footprint"] = footprint(res.seen[-1]).as_record()
     if name == "leaks" and res.case.pool_cap is not None:  # this stage's pinned pool
         logs = res.offload.logs
         record["stage"]["pool"] = {

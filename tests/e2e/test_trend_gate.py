@@ -116,7 +116,8 @@ def test_the_gate_flags_a_slow_and_a_hoarding_offloader_and_not_a_clean_run(
         conn.close()
     slow_ones = ["slow_offloaders:SlowPack", "slow_offloaders:HoldsTwice"]
     assert backends == [CLEAN] * 3 + slow_ones + [CLEAN] * clean
-    assert all(r["held_bytes"] > 0 and r["source"] == "harness-held" for r in held_rows)
+    assert all(r["held_bytes"] > 0 and r["source"] == "boundaries-copies" for r in held_rows)
+    assert all(r["peak_held"] >= r["peak_in_flight"] > 0 and r["ratio"] >= 1 for r in held_rows)
 
 
 def test_run_refuses_an_unusable_history_before_training(

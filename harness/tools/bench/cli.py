@@ -44,6 +44,7 @@ rounds printed with them):
     reference step <= 0.75 x mcore's                host-bound models (n/a with < 5 rounds);
                                                     1.05 x elsewhere; when mcore is installed
     reference host time <= 3.5 ms per steady step   hybrid-small, with --host-time
+    reference host footprint <= 1.05 x in flight    with --host-footprint
 
 Every variant runs with the harness's deterministic kernels (as the cases do) but without the
 deterministic mode's fill of new memory (``torch.utils.deterministic.fill_uninitialized_memory``):
@@ -110,11 +111,12 @@ from harness.reporting.report import (
 from harness.run import settings
 from harness.run.settings import resolve_device
 from harness.tools.bench.driver import bench_one
+from harness.tools.bench.footprint import footprint_line, footprint_one
 from harness.tools.bench.hosttime import host_time_line, host_time_one
 from harness.tools.bench.models import BENCH_MODELS, _setup, default_min_tensor_size
 from harness.tools.bench.output import _json, render, target_line
 from harness.tools.bench.peers import factories
-from harness.tools.bench.targets import host_time_targets, targets
+from harness.tools.bench.targets import footprint_targets, host_time_targets, targets
 from harness.tools.bench.trace import trace_line, trace_one
 
 
@@ -202,6 +204,14 @@ def parser() -> argparse.ArgumentParser:
         "warmup in which the host time inside each offloader entry point is clocked "
         "(harness.measure.hostclock; no profiler); per variant its median per step by entry point",
     )
+    p.add_argument(
+        "--host-footprint",
+        action="store_true",
+        help="after the timed rounds, one more run per variant (warmup, then one step) observed "
+        "by the harness's copy observer: the host memory held at the final step's group "
+        "boundaries beside the bytes in flight (harness.measure.footprint); per variant the "
+        "peaks and their ratio",
+    )
     return p
 
 
@@ -259,6 +269,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     line = host_time_line(entry, name)
                     print(f"host time {entry['model']}/{name}: {line}", flush=True)
                 for target in host_time_targets(entry["model"], entry):
+                    all_targets.append(target)
+                    print(target_line(target), flush=True)
+        if args.host_footprint:
+            for entry in entries:
+                footprint_one(entry, args, device, found)
+                for name in entry["variants"]:
+                    print(f"host footprint {entry['model']}/{name}: {footprint_line(entry, name)}")
+                for target in footprint_targets(entry):
                     all_targets.append(target)
                     print(target_line(target), flush=True)
     out = args.out if args.out is not None else run_folder(Path("reports"))

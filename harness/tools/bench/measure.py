@@ -89,6 +89,7 @@ class VariantResult:
     timeline: dict[str, Any] | str | None = None
     """``--trace``: the trace's ``harness.measure.timeline`` figures, or why there are none."""
     host_time: dict[str, Any] | str | None = None
+    host_footprint: dict[str, Any] | str | None = None
     """``--host-time``: ``harness.measure.hostclock.HostTime`` of one extra run, or why there is
     none."""
 

@@ -153,7 +153,13 @@ def _json(value: Any) -> Any:
             fields["effective_gbs"] = value.effective_gbs
             fields["ratio"] = value.ratio
             fields["ratio_range"] = value.ratio_range
-            for optional in ("breakdown", "trace", "timeline", "host_time"):  # only when asked
+            for optional in (
+                "breakdown",
+                "trace",
+                "timeline",
+                "host_time",
+                "host_footprint",
+            ):  # only when asked
                 if fields[optional] is None:
                     del fields[optional]
         return fields

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from harness.offload.reference import HOST_BOUND
 from harness.tools.bench.common import MIB
 from harness.tools.bench.measure import VariantResult, round_ratios
 
@@ -176,3 +177,22 @@ def _rounds_verdict(ratios: Sequence[float], ok: bool) -> str:
     """A step-ratio target on a host-bound model judges a median of >= ``MIN_ROUNDS`` rounds
     (single rounds there move by more than the margin): n/a with fewer."""
     return _verdict(ok) if len(ratios) >= MIN_ROUNDS else "n/a"
+
+
+def footprint_targets(entry: dict[str, Any]) -> list[Target]:
+    """After ``--host-footprint``: the reference holds at most its declared host memory per
+    byte in flight (``harness.offload.reference.HOST_BOUND``) at its final step's peak."""
+    what = f"reference host footprint <= {HOST_BOUND:.2f} x in flight"
+    found = entry["variants"]["reference"].host_footprint
+    if not isinstance(found, dict) or found.get("ratio") is None:
+        measured = str(found or "not measured") if not isinstance(found, dict) else "none in flight"
+        return [Target(model=entry["model"], target=what, measured=measured, verdict="n/a")]
+    measured = f"{found['ratio']:.3f}x ({found['source']})"
+    return [
+        Target(
+            model=entry["model"],
+            target=what,
+            measured=measured,
+            verdict=_verdict(found["ratio"] <= HOST_BOUND),
+        )
+    ]
