@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import weakref
 
 import torch
@@ -27,9 +28,19 @@ import torch
 PAGE = mmap.PAGESIZE
 
 
-def _unregister(address: int, mapping: mmap.mmap) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)
+def _unregister(address: int, mapping: mmap.mmap, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child inherits the object, not the registration
+        torch.cuda.cudart().cudaHostUnregister(address)
     del mapping  # the pages are unmapped once the last reference to the map goes
+
+
+def _clear_error() -> None:
+    """A failed ``cudaHostRegister`` leaves CUDA's last error set; the next kernel launch's check
+    would report it as its own. A one-element fill reads (and clears) it here."""
+    try:
+        torch.empty(1, device="cuda").fill_(0)
+    except RuntimeError:
+        pass
 
 
 def exact_pinned(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -44,8 +55,9 @@ def exact_pinned(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> tor
     address = pages.data_ptr()
     cudart = torch.cuda.cudart()
     if cudart.cudaHostRegister(address, size, 0) != cudart.cudaError.success:
+        _clear_error()
         del pages
         mapping.close()
         return None
-    weakref.finalize(pages.untyped_storage(), _unregister, address, mapping)
+    weakref.finalize(pages.untyped_storage(), _unregister, address, mapping, os.getpid())
     return pages[:nbytes].view(dtype).view(shape)

@@ -193,7 +193,8 @@ class Capabilities:
     too."""
     host_bound: float | None = None
     """The most host memory it holds per byte it has in flight, at its final step's peak
-    (``harness.measure.footprint``): above it is a ``leaks`` failure; None: reported only."""
+    (``harness.measure.footprint``), from step 2 on (the first steady step may still hold the
+    warmup's buffers): above it is a ``leaks`` failure; None: reported only."""
     """It takes a ``delays=`` keyword (``harness.offload.reference.RaceDelays``), so
     ``<backend>+delays`` applies to it."""
     unavailable: Callable[[torch.device], str | None] | None = None

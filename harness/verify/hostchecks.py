@@ -10,6 +10,11 @@ from harness.measure.footprint import bound_problem
 from harness.offload.protocol import Capabilities
 from harness.vocab.groups import GROUPS
 
+BOUND_FROM = 2
+"""The first step a declared bound holds at: the warmup (step 0) offloads every group and the
+first steady step may still hold the warmup's buffers (a pool sizes itself to a steady step at
+that step's end, as the reference's does); a run of fewer steps reports its footprint only."""
+
 
 def _occurrence(key: tuple[int, int, str]) -> str:
     mb, layer, name = key
@@ -24,7 +29,7 @@ def footprint_problems(case: Case, res: CaseRun, capabilities: Capabilities) -> 
     Exempt: groups whose shapes follow the routing (no pool serves them) and a step whose
     capped pool was exhausted (the row's designed fallback)."""
     problems = []
-    if capabilities.host_bound is not None and res.footprints:
+    if capabilities.host_bound is not None and len(res.footprints) >= BOUND_FROM + 1:
         line = bound_problem(res.footprints[-1], capabilities.host_bound, len(res.footprints) - 1)
         if line:
             problems.append(line)

@@ -34,7 +34,7 @@ from harness.offload.backends import (
 from harness.offload.config import OffloadConfig
 from harness.offload.passthrough import NoOffload
 from harness.offload.protocol import Capabilities, IterationLog, declare
-from harness.offload.reference import GroupState, OffloadContext, RaceDelays
+from harness.offload.reference import HOST_BOUND, GroupState, OffloadContext, RaceDelays
 from harness.offload.semantics import MEGATRON_MAIN
 from harness.verify import detection
 from harness.vocab.spec import RunSpec, preset
@@ -154,7 +154,11 @@ def test_capability_records() -> None:
     for entry in broken.OFFLOADERS:  # the reference's record with the catalogue's description
         record = capabilities(entry.name)
         assert record == Capabilities(
-            description=describe(entry.name), semantics=MEGATRON_MAIN, race_delays=True
+            description=describe(entry.name),
+            semantics=MEGATRON_MAIN,
+            race_delays=True,
+            host_pool=True,
+            host_bound=HOST_BOUND,
         )
         assert capabilities(f"{entry.name}+delays") == record  # +delays keeps the record
     assert capabilities(f"{__name__}:_undeclared") is UNDECLARED == Capabilities()
