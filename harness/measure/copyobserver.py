@@ -49,7 +49,6 @@ class _Windows(Protocol):
     packing: GroupKey | None
     weights: dict[int, list[_Noted]]
     written: dict[int, _Written]
-    first_written: dict[int, int]
     host_base: int | None
     steps: int
 
@@ -155,8 +154,9 @@ class Observed:
     boundaries: list[Boundary] = field(default_factory=list)
     """The host memory held at every group boundary of the step (``Boundary``)."""
     new_host: list[tuple[GroupKey, int]] = field(default_factory=list)
-    """(group, bytes) of every host storage a D2H of the step wrote at an address no D2H of an
-    earlier observed step of the run wrote: host memory new to the offloader's copies."""
+    """(group, bytes) of every host storage a D2H of the step wrote that no D2H of an earlier
+    observed step of the run wrote (a new storage, even at an address the allocator reused):
+    host memory new to the offloader's copies; empty in the run's first observed step."""
     host_allocs: int | None = None
     """On CUDA: pinned blocks the caching host allocator asked the driver for during the step
     (its ``num_host_alloc``, any caller); None on CPU."""
@@ -553,10 +553,11 @@ class CopyObserver(TorchDispatchMode):
             self.keep.append(storage)
             self.kept.add(id(storage))
         address = storage.data_ptr()
-        if address not in self.state.first_written:
-            self.state.first_written[address] = self.state.steps - 1
-            if self.state.steps > 1:
-                self.observed.new_host.append((group, storage.nbytes()))
+        prior = self.state.written.get(address)
+        if self.state.steps > 1 and (prior is None or prior.ref() is not storage):
+            # no storage an earlier step wrote lives at this address: memory allocated since
+            # (even where the allocator handed back the same address)
+            self.observed.new_host.append((group, storage.nbytes()))
         self.state.written[address] = _Written(storage, group, self.state.steps - 1)
 
     def _add(

@@ -154,8 +154,6 @@ class _WindowState:
         """Host address -> the storage a D2H of an observed step wrote there (weakly), its
         group and that step, across the run's steps: what of it is still alive at a step's end
         is host memory the offloader holds across iterations (``Observed.held``)."""
-        self.first_written: dict[int, int] = {}
-        """Host address -> the first observed step a D2H wrote there (``Observed.new_host``)."""
         self.host_base: int | None = None
         """On CUDA: the caching host allocator's bytes in use when the run's first observed step
         began (``Boundary.allocated`` is read against it)."""

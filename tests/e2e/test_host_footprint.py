@@ -12,7 +12,7 @@ from harness.cases import default_matrix
 from harness.execute.environment import Environment
 from harness.execute.steps import run_case
 from harness.offload.protocol import Capabilities
-from harness.offload.reference import HOST_BOUND
+from harness.offload.reference import HOST_BOUND, OffloadContext
 from harness.verify.hostchecks import footprint_problems
 
 
@@ -47,3 +47,32 @@ def test_the_reference_holds_what_it_has_in_flight() -> None:
     assert final.peak_in_flight == res.per_step[-1].totals()["d2h"].bytes // 2
     assert final.ratio is not None and final.ratio <= HOST_BOUND
     assert footprint_problems(case, res, Capabilities(host_pool=True, host_bound=HOST_BOUND)) == []
+
+
+class _RegrowingPool(OffloadContext):
+    """The reference, but its pool drops every buffer when an iteration ends and its log is
+    withheld: every step allocates its host buffers again (on CPU often at the addresses just
+    freed), and only the harness's own records can tell."""
+
+    capabilities = Capabilities(host_pool=True)
+
+    def end_iteration(self) -> None:
+        super().end_iteration()
+        self.pool.clear()
+
+    def iteration_logs(self) -> list:
+        return []
+
+
+def test_a_pool_allocating_again_after_the_warmup_fails_leaks_from_the_copies_alone() -> None:
+    case = next(c for c in default_matrix() if c.name == SEQUENTIAL)
+    env = Environment(device=torch.device("cpu"), backend=f"{__name__}:_RegrowingPool")
+    res = run_case(case, env)
+    problems = footprint_problems(case, res, env.record.capabilities)
+    assert len(problems) == 1 and problems[0].startswith(
+        "step 1: the offloader keeps a host pool, yet its D2H copies wrote"
+    ), problems
+    assert all(sum(n for _, n in new) for new in res.new_host[1:])  # every step after the warmup
+    # the reference itself, same row: nothing new after the warmup
+    plain = run_case(case, Environment(device=torch.device("cpu"), backend="reference"))
+    assert not any(plain.new_host[1:])
