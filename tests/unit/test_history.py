@@ -14,7 +14,13 @@ import pytest
 
 from harness.reporting import history as db
 from harness.reporting import trend
-from harness.reporting.history_rows import fingerprint_of, host_row, memory_row, run_record
+from harness.reporting.history_rows import (
+    bench_rows,
+    fingerprint_of,
+    host_row,
+    memory_row,
+    run_record,
+)
 
 
 def _case(name: str, **changes: Any) -> dict[str, Any]:
@@ -137,6 +143,26 @@ def test_memory_readings_and_their_absence() -> None:
     assert row is not None and row["offload_backward_peak"] == 140 and row["offload_peak"] == 150
     assert memory_row(_case("a")) is None  # CPU: no reading
     assert host_row(_case("a", leaks={})) is None
+
+
+def test_host_footprint_rows_of_a_case_and_a_bench_variant() -> None:
+    footprint = {"peak_held_bytes": 300, "peak_in_flight_bytes": 200, "ratio": 1.5}
+    leaks = {"host_held_bytes": [0, 300, 300], "host_footprint": {**footprint, "source": "copies"}}
+    row = host_row(_case("a", leaks=leaks))
+    assert row == {
+        "held_bytes": 300,
+        "held_bytes_final": 300,
+        "source": "boundaries-copies",
+        "peak_held": 300,
+        "peak_in_flight": 200,
+        "ratio": 1.5,
+    }
+    older = host_row(_case("a", leaks={"host_held_bytes": [0, 4]}))  # before the footprint
+    assert older == {"held_bytes": 4, "held_bytes_final": 4, "source": "harness-held"}
+    bench = {"models": [{"model": "m", "variants": {"reference": {"host_footprint": footprint}}}]}
+    [variant] = bench_rows(bench)
+    found = (variant["host_held"], variant["host_in_flight"], variant["host_ratio"])
+    assert found == (300, 200, 1.5)
 
 
 def test_fingerprint_of_a_summary() -> None:
