@@ -125,7 +125,9 @@ class HostBufferPool:
             self._outside.add(id(buffer))  # the caller holds it until its release
             return buffer, False
         exact = exact_pinned(shape, dtype) if self.pin_memory else None
-        buffer = exact if exact is not None else staging_buffer(shape, dtype, pin_memory=False)
+        if exact is None:  # CPU, or a registration that failed: the caching allocator's block
+            exact = staging_buffer(shape, dtype, pin_memory=self.pin_memory)
+        buffer = exact
         stats.total_allocated += 1
         return buffer, False
 
