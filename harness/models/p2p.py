@@ -13,20 +13,34 @@ interleaved 1F1B) therefore cannot deadlock, whatever order the ranks post in. E
 carries a tag of its own (``message_tag``: direction, receiving virtual stage, microbatch), so a
 receive matches its send by tag, not by arrival order.
 
-This is the gloo form (CPU ranks). Under NCCL the same unbatched pattern can deadlock (NCCL runs a
-communicator's operations in stream order, so two ranks that each send before they receive wait
-for each other); Megatron-Core batches a step's send and receive into one ``batch_isend_irecv``
-for that. Not done here yet: see docs/multi-rank.md, "Pipeline across ranks".
+That is the unbatched form, gloo's (CPU ranks). Under NCCL it can deadlock: NCCL runs a pair's
+operations in the order they were posted, on one stream, and ignores tags, so a rank whose
+posted send waits for a receive the peer posts only after its own send waits for this rank's
+receive hangs both. The batched form (``StageLinks(batched=True)``, the default on an NCCL
+group) holds each send back and posts it in one ``batch_isend_irecv`` with the rank's next
+receive (or at the step's end, ``finish``), as Megatron-Core pairs a send with the next receive:
+a rank that blocks then holds no send back, so every send a peer waits for is posted. It posts
+every message in the order the receiver receives it (each pair, each direction), which NCCL's
+order matching needs. ``program`` gives the batches a stage posts for an order (the pipeline
+checks each step posted exactly that); tests/unit/test_pipeline_nccl.py plays them under
+NCCL's rules: sequential, GPipe and 1F1B play through batched, the interleaved order not yet
+(a batch can hold a send the peer receives only after a batch waiting on this rank's next one;
+Megatron-Core pairs by virtual step). Batched on gloo (``OFFLOAD_HARNESS_P2P_BATCHED=1``) every
+pipeline row passes bitwise (``.ci/run``); on NCCL nothing has run yet.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+Batch = tuple[tuple[str, int, int], ...]
+"""One posting: its operations as (``send`` or ``recv``, peer stage, tag), in order."""
 
 FORWARD = 0
 """A message's direction: an activation into the next virtual stage."""
@@ -169,6 +183,7 @@ class StageLinks:
         device: torch.device,
         group: dist.ProcessGroup | None = None,
         board: AbortBoard | None = None,
+        batched: bool | None = None,
     ) -> None:
         self.layout, self.stage, self.group = layout, stage, group
         self.shape, self.dtype, self.device = shape, dtype, device
@@ -176,6 +191,15 @@ class StageLinks:
         self.step = 0
         """The step the runner is in (for messages)."""
         self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []
+        if batched is None:
+            forced = os.environ.get("OFFLOAD_HARNESS_P2P_BATCHED")
+            batched = forced == "1" if forced else dist.get_backend(group) == "nccl"
+        self.batched = batched
+        """Sends held back and posted with the next receive (module docstring); by default on
+        an NCCL group, or as ``OFFLOAD_HARNESS_P2P_BATCHED`` (``1``/``0``) says."""
+        self._held: list[tuple[torch.Tensor, int, int, str]] = []  # (tensor, peer, tag, what)
+        self.posted: list[Batch] = []
+        """Every batch posted, in order (``program`` predicts them)."""
 
     def send_activation(self, virtual: int, microbatch: int, tensor: torch.Tensor) -> None:
         """Send virtual stage ``virtual``'s output of ``microbatch`` to the next virtual stage."""
@@ -194,8 +218,10 @@ class StageLinks:
         return self._recv(BACKWARD, virtual, microbatch)
 
     def finish(self) -> None:
-        """Wait for every send posted since the last call (the end of a step: each was matched by
-        a receive of the same step, so none outlives it)."""
+        """Post the sends held back, then wait for every send posted since the last call (the end
+        of a step: each was matched by a receive of the same step, so none outlives it)."""
+        if self._held:
+            self._post([])
         pending, self._pending = self._pending, []
         for work, _, what in pending:
             self._wait(work, what)
@@ -213,6 +239,10 @@ class StageLinks:
             # (other rounding) than on one rank, so this is refused, not silently copied.
             raise P2PError(f"{what}: the tensor is not contiguous (strides {tensor.stride()})")
         tag = message_tag(direction, into, microbatch, self.layout.virtual_stages)
+        if self.batched:
+            self._held.append((tensor, peer, tag, what))
+            return
+        self.posted.append((("send", peer, tag),))
         try:
             work = dist.isend(tensor, group=self.group, group_dst=peer, tag=tag)
         except RuntimeError as exc:
@@ -225,12 +255,40 @@ class StageLinks:
         what = self._describe("recv", direction, into, microbatch, peer)
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         tag = message_tag(direction, into, microbatch, self.layout.virtual_stages)
+        if self.batched:
+            self._wait(self._post([(buffer, peer, tag, what)]), what)
+            return buffer
+        self.posted.append((("recv", peer, tag),))
         try:
             work = dist.irecv(buffer, group=self.group, group_src=peer, tag=tag)
         except RuntimeError as exc:
             raise P2PError(f"{what} failed: {exc}") from exc
         self._wait(work, what)
         return buffer
+
+    def _post(self, receives: list[tuple[torch.Tensor, int, int, str]]) -> dist.Work:
+        """The sends held back and ``receives`` (none, or one) in one ``batch_isend_irecv``; the
+        sends' works wait for ``finish``, the receive's (or the last send's) is returned."""
+        sends, self._held = self._held, []
+        ops = [
+            dist.P2POp(dist.isend, t, group=self.group, tag=tag, group_peer=peer)
+            for t, peer, tag, _ in sends
+        ] + [
+            dist.P2POp(dist.irecv, t, group=self.group, tag=tag, group_peer=peer)
+            for t, peer, tag, _ in receives
+        ]
+        self.posted.append(
+            tuple(("send", peer, tag) for _, peer, tag, _ in sends)
+            + tuple(("recv", peer, tag) for _, peer, tag, _ in receives)
+        )
+        what = "; ".join(w for *_, w in sends + receives)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            raise P2PError(f"{what} failed: {exc}") from exc
+        for work, (tensor, *_, told) in zip(works[: len(sends)], sends, strict=False):
+            self._pending.append((work, tensor, told))
+        return works[-1]
 
     def _wait(self, work: dist.Work, what: str) -> None:
         self.board.wait(work, what)
@@ -250,3 +308,46 @@ class StageLinks:
             f"rank {dist.get_rank()} (pipeline stage {self.stage}): step {self.step}, {op} of "
             f"the {kind} into virtual stage {into}, microbatch {microbatch}, {side} stage {peer}"
         )
+
+
+def program(
+    order: list[tuple[str, int]], layout: PipelineLayout, stage: int, batched: bool
+) -> list[Batch]:
+    """The batches ``StageLinks`` posts in one step of ``stage`` running ``order`` (its
+    ("F"|"B", pass) list; a pass is ``microbatch * chunks + chunk``): in the forward of a pass
+    its input's receive (not on virtual stage 0), then its output's send (not on the last);
+    in the backward its output gradient's receive (not on the last), then its input gradient's
+    send (not on virtual stage 0). Unbatched every operation is a batch of its own; batched the
+    sends wait for the next receive, and those left for the step's end."""
+    V = layout.virtual_stages
+    held: list[tuple[str, int, int]] = []
+    out: list[Batch] = []
+
+    def recv(direction: int, into: int, source: int, mb: int) -> None:
+        op = ("recv", layout.owner(source)[0], message_tag(direction, into, mb, V))
+        out.append((*held, op) if batched else (op,))
+        held.clear()
+
+    def send(direction: int, into: int, mb: int) -> None:
+        op = ("send", layout.owner(into)[0], message_tag(direction, into, mb, V))
+        if batched:
+            held.append(op)
+        else:
+            out.append((op,))
+
+    for kind, p in order:
+        mb, chunk = divmod(p, layout.chunks)
+        v = layout.virtual_stage(stage, chunk)
+        if kind == "F":
+            if v > 0:
+                recv(FORWARD, v, v - 1, mb)
+            if v < V - 1:
+                send(FORWARD, v + 1, mb)
+        else:
+            if v < V - 1:
+                recv(BACKWARD, v, v + 1, mb)
+            if v > 0:
+                send(BACKWARD, v - 1, mb)
+    if held:
+        out.append(tuple(held))
+    return out

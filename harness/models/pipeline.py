@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.models.hybrid import HybridModel, loss_fn, make_batches, seeded_model
-from harness.models.p2p import AbortBoard, P2PError, PipelineLayout, StageLinks
+from harness.models.p2p import AbortBoard, P2PError, PipelineLayout, StageLinks, program
 from harness.models.runs import RunHooks, TrainResult
 from harness.models.train import (
     DTYPES,
@@ -343,6 +343,7 @@ def _run_step(this: _StageRun, batches: torch.Tensor, losses: torch.Tensor, step
     outputs: dict[int, torch.Tensor] = {}  # pass -> its output (the loss on the last stage)
     inputs: dict[int, torch.Tensor] = {}  # pass -> the activation it received
     chunks = this.layout.chunks
+    this.links.posted.clear()
     for kind, p in this.order:
         mb, chunk = divmod(p, chunks)
         this.at = (
@@ -358,6 +359,13 @@ def _run_step(this: _StageRun, batches: torch.Tensor, losses: torch.Tensor, step
             _backward(this, p, outputs, inputs)
     this.at = "the wait for the step's sends"
     this.links.finish()
+    # what the NCCL play of tests/unit/test_pipeline_nccl.py reads is what ran
+    expected = program(this.order, this.layout, this.stage, this.links.batched)
+    if this.links.posted != expected:
+        raise P2PError(
+            f"rank {this.stage}: step {step} posted {this.links.posted[:3]}... where "
+            f"harness.models.p2p.program says {expected[:3]}..."
+        )
     this.at = "the offloader's end_iteration"
     this.offloader.end_iteration()
 
