@@ -13,20 +13,19 @@ interleaved 1F1B) therefore cannot deadlock, whatever order the ranks post in. E
 carries a tag of its own (``message_tag``: direction, receiving virtual stage, microbatch), so a
 receive matches its send by tag, not by arrival order.
 
-That is the unbatched form, gloo's (CPU ranks). Under NCCL it can deadlock: NCCL runs a pair's
-operations in the order they were posted, on one stream, and ignores tags, so a rank whose
-posted send waits for a receive the peer posts only after its own send waits for this rank's
-receive hangs both. The batched form (``StageLinks(batched=True)``, the default on an NCCL
-group) holds each send back and posts it in one ``batch_isend_irecv`` with the rank's next
-receive (or at the step's end, ``finish``), as Megatron-Core pairs a send with the next receive:
-a rank that blocks then holds no send back, so every send a peer waits for is posted. It posts
-every message in the order the receiver receives it (each pair, each direction), which NCCL's
-order matching needs. ``program`` gives the batches a stage posts for an order (the pipeline
-checks each step posted exactly that); tests/unit/test_pipeline_nccl.py plays them under
-NCCL's rules: sequential, GPipe and 1F1B play through batched, the interleaved order not yet
-(a batch can hold a send the peer receives only after a batch waiting on this rank's next one;
-Megatron-Core pairs by virtual step). Batched on gloo (``OFFLOAD_HARNESS_P2P_BATCHED=1``) every
-pipeline row passes bitwise (``.ci/run``); on NCCL nothing has run yet.
+Under NCCL that form can deadlock: NCCL runs the operations of one communicator in the order they
+were posted, on one stream, and matches a pair's messages by order, not by tag. A rank whose
+activation send waits, on that stream, for a receive the peer posts only after its own gradient
+send - which waits behind this rank's activation send - hangs both (1F1B's steady state does
+exactly that). So on an NCCL group (or with ``OFFLOAD_HARNESS_P2P_CHANNELS=1``) ``StageLinks``
+sends each (direction, from stage, to stage) on a process group of its own (``channels``):
+a stream per direction and pair, on which the sender posts in the order the receiver receives
+(every schedule here does; the tags prove it on gloo). A message then waits only for the
+messages before it on its own channel, as on gloo. ``program`` lists what a stage posts in a
+step (the pipeline checks each step posted exactly that); tests/unit/test_pipeline_nccl.py plays
+every schedule's postings under NCCL's rules: on one stream 1F1B and the interleaved order
+deadlock, on channels every order plays through with every message matched to its own. On gloo
+the channels run every pipeline row bitwise (a ``.ci/run`` step); on NCCL nothing has run yet.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -183,7 +183,8 @@ class StageLinks:
         device: torch.device,
         group: dist.ProcessGroup | None = None,
         board: AbortBoard | None = None,
-        batched: bool | None = None,
+        channels: bool | None = None,
+        timeout: Any = None,
     ) -> None:
         self.layout, self.stage, self.group = layout, stage, group
         self.shape, self.dtype, self.device = shape, dtype, device
@@ -191,13 +192,15 @@ class StageLinks:
         self.step = 0
         """The step the runner is in (for messages)."""
         self._pending: list[tuple[dist.Work, torch.Tensor, str]] = []
-        if batched is None:
-            forced = os.environ.get("OFFLOAD_HARNESS_P2P_BATCHED")
-            batched = forced == "1" if forced else dist.get_backend(group) == "nccl"
-        self.batched = batched
-        """Sends held back and posted with the next receive (module docstring); by default on
-        an NCCL group, or as ``OFFLOAD_HARNESS_P2P_BATCHED`` (``1``/``0``) says."""
-        self._held: list[tuple[torch.Tensor, int, int, str]] = []  # (tensor, peer, tag, what)
+        if channels is None:
+            forced = os.environ.get("OFFLOAD_HARNESS_P2P_CHANNELS")
+            channels = forced == "1" if forced else dist.get_backend(group) == "nccl"
+        self.channels: dict[tuple[int, int, int], dist.ProcessGroup] = (
+            _channel_groups(layout.stages, group, timeout) if channels else {}
+        )
+        """(direction, from stage, to stage) -> a process group of its own for those messages
+        only (module docstring); empty: every message on ``group``. By default on an NCCL
+        group, or as ``OFFLOAD_HARNESS_P2P_CHANNELS`` (``1``/``0``) says."""
         self.posted: list[Batch] = []
         """Every batch posted, in order (``program`` predicts them)."""
 
@@ -218,10 +221,8 @@ class StageLinks:
         return self._recv(BACKWARD, virtual, microbatch)
 
     def finish(self) -> None:
-        """Post the sends held back, then wait for every send posted since the last call (the end
-        of a step: each was matched by a receive of the same step, so none outlives it)."""
-        if self._held:
-            self._post([])
+        """Wait for every send posted since the last call (the end of a step: each was matched by
+        a receive of the same step, so none outlives it)."""
         pending, self._pending = self._pending, []
         for work, _, what in pending:
             self._wait(work, what)
@@ -239,12 +240,10 @@ class StageLinks:
             # (other rounding) than on one rank, so this is refused, not silently copied.
             raise P2PError(f"{what}: the tensor is not contiguous (strides {tensor.stride()})")
         tag = message_tag(direction, into, microbatch, self.layout.virtual_stages)
-        if self.batched:
-            self._held.append((tensor, peer, tag, what))
-            return
         self.posted.append((("send", peer, tag),))
+        group, peer_in = self._route(direction, self.stage, peer, peer)
         try:
-            work = dist.isend(tensor, group=self.group, group_dst=peer, tag=tag)
+            work = dist.isend(tensor, group=group, group_dst=peer_in, tag=tag)
         except RuntimeError as exc:
             raise P2PError(f"{what} failed: {exc}") from exc
         self._pending.append((work, tensor, what))
@@ -255,40 +254,30 @@ class StageLinks:
         what = self._describe("recv", direction, into, microbatch, peer)
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         tag = message_tag(direction, into, microbatch, self.layout.virtual_stages)
-        if self.batched:
-            self._wait(self._post([(buffer, peer, tag, what)]), what)
-            return buffer
         self.posted.append((("recv", peer, tag),))
+        group, peer_in = self._route(direction, peer, self.stage, peer)
         try:
-            work = dist.irecv(buffer, group=self.group, group_src=peer, tag=tag)
+            work = dist.irecv(buffer, group=group, group_src=peer_in, tag=tag)
         except RuntimeError as exc:
             raise P2PError(f"{what} failed: {exc}") from exc
         self._wait(work, what)
         return buffer
 
-    def _post(self, receives: list[tuple[torch.Tensor, int, int, str]]) -> dist.Work:
-        """The sends held back and ``receives`` (none, or one) in one ``batch_isend_irecv``; the
-        sends' works wait for ``finish``, the receive's (or the last send's) is returned."""
-        sends, self._held = self._held, []
-        ops = [
-            dist.P2POp(dist.isend, t, group=self.group, tag=tag, group_peer=peer)
-            for t, peer, tag, _ in sends
-        ] + [
-            dist.P2POp(dist.irecv, t, group=self.group, tag=tag, group_peer=peer)
-            for t, peer, tag, _ in receives
-        ]
-        self.posted.append(
-            tuple(("send", peer, tag) for _, peer, tag, _ in sends)
-            + tuple(("recv", peer, tag) for _, peer, tag, _ in receives)
-        )
-        what = "; ".join(w for *_, w in sends + receives)
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except RuntimeError as exc:
-            raise P2PError(f"{what} failed: {exc}") from exc
-        for work, (tensor, *_, told) in zip(works[: len(sends)], sends, strict=False):
-            self._pending.append((work, tensor, told))
-        return works[-1]
+    def _route(
+        self, direction: int, source: int, target: int, peer: int
+    ) -> tuple[dist.ProcessGroup | None, int]:
+        """The group a message from stage ``source`` to ``target`` travels on, and ``peer``'s
+        rank in it."""
+        channel = self.channels.get((direction, source, target))
+        if channel is None:
+            return self.group, peer
+        return channel, dist.get_group_rank(channel, _global(self.group, peer))
+
+    def close(self) -> None:
+        """Destroy the channel groups (the run is over)."""
+        for channel in self.channels.values():
+            dist.destroy_process_group(channel)
+        self.channels = {}
 
     def _wait(self, work: dist.Work, what: str) -> None:
         self.board.wait(work, what)
@@ -310,44 +299,44 @@ class StageLinks:
         )
 
 
-def program(
-    order: list[tuple[str, int]], layout: PipelineLayout, stage: int, batched: bool
-) -> list[Batch]:
-    """The batches ``StageLinks`` posts in one step of ``stage`` running ``order`` (its
-    ("F"|"B", pass) list; a pass is ``microbatch * chunks + chunk``): in the forward of a pass
-    its input's receive (not on virtual stage 0), then its output's send (not on the last);
-    in the backward its output gradient's receive (not on the last), then its input gradient's
-    send (not on virtual stage 0). Unbatched every operation is a batch of its own; batched the
-    sends wait for the next receive, and those left for the step's end."""
+def _global(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _channel_groups(
+    stages: int, group: dist.ProcessGroup | None, timeout: Any
+) -> dict[tuple[int, int, int], dist.ProcessGroup]:
+    """One process group per (direction, from stage, to stage) a pipeline of ``stages`` sends
+    on: activations to the next stage, gradients to the previous one, around the ring (the
+    interleaved order wraps). Collective: every rank creates every group, in the same order."""
+    out = {}
+    for direction, step in ((FORWARD, 1), (BACKWARD, -1)):
+        for source in range(stages):
+            target = (source + step) % stages
+            ranks = [_global(group, source), _global(group, target)]
+            out[(direction, source, target)] = dist.new_group(ranks, timeout=timeout)
+    return out
+
+
+def program(order: list[tuple[str, int]], layout: PipelineLayout, stage: int) -> list[Batch]:
+    """What ``StageLinks`` posts in one step of ``stage`` running ``order`` (its ("F"|"B", pass)
+    list; a pass is ``microbatch * chunks + chunk``), each operation as a batch of one: in the
+    forward of a pass its input's receive (not on virtual stage 0), then its output's send (not
+    on the last); in the backward its output gradient's receive (not on the last), then its
+    input gradient's send (not on virtual stage 0)."""
     V = layout.virtual_stages
-    held: list[tuple[str, int, int]] = []
     out: list[Batch] = []
-
-    def recv(direction: int, into: int, source: int, mb: int) -> None:
-        op = ("recv", layout.owner(source)[0], message_tag(direction, into, mb, V))
-        out.append((*held, op) if batched else (op,))
-        held.clear()
-
-    def send(direction: int, into: int, mb: int) -> None:
-        op = ("send", layout.owner(into)[0], message_tag(direction, into, mb, V))
-        if batched:
-            held.append(op)
-        else:
-            out.append((op,))
-
     for kind, p in order:
         mb, chunk = divmod(p, layout.chunks)
         v = layout.virtual_stage(stage, chunk)
         if kind == "F":
             if v > 0:
-                recv(FORWARD, v, v - 1, mb)
+                out.append((("recv", layout.owner(v - 1)[0], message_tag(FORWARD, v, mb, V)),))
             if v < V - 1:
-                send(FORWARD, v + 1, mb)
+                out.append((("send", layout.owner(v + 1)[0], message_tag(FORWARD, v + 1, mb, V)),))
         else:
             if v < V - 1:
-                recv(BACKWARD, v, v + 1, mb)
+                out.append((("recv", layout.owner(v + 1)[0], message_tag(BACKWARD, v, mb, V)),))
             if v > 0:
-                send(BACKWARD, v - 1, mb)
-    if held:
-        out.append(tuple(held))
+                out.append((("send", layout.owner(v - 1)[0], message_tag(BACKWARD, v - 1, mb, V)),))
     return out

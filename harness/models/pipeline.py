@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -232,14 +233,18 @@ def train_pipeline(
 
 
 def _own_group() -> dist.ProcessGroup:
-    """A group of the whole world for one run, with the default group's timeout (where it can
-    be read; else torch's default)."""
+    """A group of the whole world for one run, with the default group's timeout."""
+    return dist.new_group(list(range(dist.get_world_size())), timeout=_group_timeout())
+
+
+def _group_timeout() -> Any:
+    """The default group's timeout, for the groups a run makes (where it can be read; else
+    torch's default)."""
     default = dist.distributed_c10d._get_default_group()
     try:
-        timeout = default._get_backend(torch.device("cpu")).options._timeout
+        return default._get_backend(torch.device("cpu")).options._timeout
     except (AttributeError, RuntimeError):
-        timeout = None
-    return dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
+        return None
 
 
 @dataclass(kw_only=True)
@@ -283,7 +288,7 @@ def _train(
     losses = torch.zeros(run.steps, run.microbatches, device=device)
     shape = (spec.micro_batch_size, spec.seq_length, spec.hidden_size)
     board = AbortBoard(distributed._store("pipeline"))
-    links = StageLinks(layout, stage, shape, dtype, device, group, board)
+    links = StageLinks(layout, stage, shape, dtype, device, group, board, timeout=_group_timeout())
     clip.wait = links.collective
     this = _StageRun(
         model=model,
@@ -311,6 +316,7 @@ def _train(
             if keep_grads:
                 grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
             optimizer.step()
+    links.close()  # its channel groups; a run given up on leaves them behind, as its group
     state = {n: p.detach().cpu() for n, p in model.named_parameters()} if keep_final_state else {}
     return TrainResult(
         losses=losses.cpu(), logs=offloader.iteration_logs(), grads=grads, final_state=state
@@ -360,7 +366,7 @@ def _run_step(this: _StageRun, batches: torch.Tensor, losses: torch.Tensor, step
     this.at = "the wait for the step's sends"
     this.links.finish()
     # what the NCCL play of tests/unit/test_pipeline_nccl.py reads is what ran
-    expected = program(this.order, this.layout, this.stage, this.links.batched)
+    expected = program(this.order, this.layout, this.stage)
     if this.links.posted != expected:
         raise P2PError(
             f"rank {this.stage}: step {step} posted {this.links.posted[:3]}... where "
