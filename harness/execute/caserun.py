@@ -81,9 +81,9 @@ class CaseRun:
     held: tuple[tuple[tuple[int, GroupKey, int], ...], ...] = ()
     """Per step: (step written, group, bytes) of the host storages observed D2H copies wrote
     that were still alive at the step's end (``harness.measure.observe.Observed.held``)."""
-    footprints: tuple[Footprint, ...] = ()
-    """Per step: host memory held beside bytes in flight at each group boundary
-    (``harness.measure.footprint``)."""
+    footprint: Footprint | None = None
+    """The final step's host memory held beside bytes in flight at each group boundary
+    (``harness.measure.footprint``); None without an observed step."""
     new_host: tuple[tuple[tuple[GroupKey, int], ...], ...] = ()
     """Per step: (group, bytes) of the host storages its D2H copies wrote at an address no
     earlier step's did (``Observed.new_host``)."""

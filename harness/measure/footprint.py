@@ -128,11 +128,11 @@ def footprint(observed: Observed) -> Footprint:
 
 
 def host_fields(seen: list[Observed]) -> dict[str, Any]:
-    """Per observed step its footprint, the host memory new to its copies and the allocator's
-    new pinned blocks, and the final step itself (``harness.execute.caserun.CaseRun``'s fields
-    of those names)."""
+    """The final step's footprint; per observed step the host memory new to its copies and the
+    allocator's new pinned blocks; and the final step itself (``harness.execute.caserun.CaseRun``'s
+    fields of those names)."""
     return {
-        "footprints": tuple(footprint(o) for o in seen),
+        "footprint": footprint(seen[-1]) if seen else None,
         "new_host": tuple(tuple(o.new_host) for o in seen),
         "host_allocs": tuple(o.host_allocs for o in seen),
         "final_observed": seen[-1] if seen else None,

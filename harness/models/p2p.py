@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-Batch = tuple[tuple[str, int, int], ...]
-"""One posting: its operations as (``send`` or ``recv``, peer stage, tag), in order."""
+Posting = tuple[str, int, int]
+"""One operation posted: ``send`` or ``recv``, the peer stage, the tag."""
 
 FORWARD = 0
 """A message's direction: an activation into the next virtual stage."""
@@ -201,8 +201,8 @@ class StageLinks:
         """(direction, from stage, to stage) -> a process group of its own for those messages
         only (module docstring); empty: every message on ``group``. By default on an NCCL
         group, or as ``OFFLOAD_HARNESS_P2P_CHANNELS`` (``1``/``0``) says."""
-        self.posted: list[Batch] = []
-        """Every batch posted, in order (``program`` predicts them)."""
+        self.posted: list[Posting] = []
+        """Every operation posted this step, in order (``program`` predicts them)."""
 
     def send_activation(self, virtual: int, microbatch: int, tensor: torch.Tensor) -> None:
         """Send virtual stage ``virtual``'s output of ``microbatch`` to the next virtual stage."""
@@ -240,7 +240,7 @@ class StageLinks:
             # (other rounding) than on one rank, so this is refused, not silently copied.
             raise P2PError(f"{what}: the tensor is not contiguous (strides {tensor.stride()})")
         tag = message_tag(direction, into, microbatch, self.layout.virtual_stages)
-        self.posted.append((("send", peer, tag),))
+        self.posted.append(("send", peer, tag))
         group, peer_in = self._route(direction, self.stage, peer, peer)
         try:
             work = dist.isend(tensor, group=group, group_dst=peer_in, tag=tag)
@@ -254,7 +254,7 @@ class StageLinks:
         what = self._describe("recv", direction, into, microbatch, peer)
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         tag = message_tag(direction, into, microbatch, self.layout.virtual_stages)
-        self.posted.append((("recv", peer, tag),))
+        self.posted.append(("recv", peer, tag))
         group, peer_in = self._route(direction, peer, self.stage, peer)
         try:
             work = dist.irecv(buffer, group=group, group_src=peer_in, tag=tag)
@@ -318,25 +318,25 @@ def _channel_groups(
     return out
 
 
-def program(order: list[tuple[str, int]], layout: PipelineLayout, stage: int) -> list[Batch]:
+def program(order: list[tuple[str, int]], layout: PipelineLayout, stage: int) -> list[Posting]:
     """What ``StageLinks`` posts in one step of ``stage`` running ``order`` (its ("F"|"B", pass)
-    list; a pass is ``microbatch * chunks + chunk``), each operation as a batch of one: in the
+    list; a pass is ``microbatch * chunks + chunk``), in order: in the
     forward of a pass its input's receive (not on virtual stage 0), then its output's send (not
     on the last); in the backward its output gradient's receive (not on the last), then its
     input gradient's send (not on virtual stage 0)."""
     V = layout.virtual_stages
-    out: list[Batch] = []
+    out: list[Posting] = []
     for kind, p in order:
         mb, chunk = divmod(p, layout.chunks)
         v = layout.virtual_stage(stage, chunk)
         if kind == "F":
             if v > 0:
-                out.append((("recv", layout.owner(v - 1)[0], message_tag(FORWARD, v, mb, V)),))
+                out.append(("recv", layout.owner(v - 1)[0], message_tag(FORWARD, v, mb, V)))
             if v < V - 1:
-                out.append((("send", layout.owner(v + 1)[0], message_tag(FORWARD, v + 1, mb, V)),))
+                out.append(("send", layout.owner(v + 1)[0], message_tag(FORWARD, v + 1, mb, V)))
         else:
             if v < V - 1:
-                out.append((("recv", layout.owner(v + 1)[0], message_tag(BACKWARD, v, mb, V)),))
+                out.append(("recv", layout.owner(v + 1)[0], message_tag(BACKWARD, v, mb, V)))
             if v > 0:
-                out.append((("send", layout.owner(v - 1)[0], message_tag(BACKWARD, v - 1, mb, V)),))
+                out.append(("send", layout.owner(v - 1)[0], message_tag(BACKWARD, v - 1, mb, V)))
     return out

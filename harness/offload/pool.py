@@ -124,10 +124,9 @@ class HostBufferPool:
             stats.exhausted += 1
             self._outside.add(id(buffer))  # the caller holds it until its release
             return buffer, False
-        exact = exact_pinned(shape, dtype) if self.pin_memory else None
-        if exact is None:  # CPU, or a registration that failed: the caching allocator's block
-            exact = staging_buffer(shape, dtype, pin_memory=self.pin_memory)
-        buffer = exact
+        buffer = exact_pinned(shape, dtype) if self.pin_memory else None
+        if buffer is None:  # CPU, or a registration that failed: the caching allocator's block
+            buffer = staging_buffer(shape, dtype, pin_memory=self.pin_memory)
         stats.total_allocated += 1
         return buffer, False
 

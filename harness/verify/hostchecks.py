@@ -7,18 +7,14 @@ from __future__ import annotations
 from harness.cases import Case
 from harness.execute.caserun import CaseRun
 from harness.measure.footprint import bound_problem
+from harness.offload.config import MOE_EXPERT_NAMES
 from harness.offload.protocol import Capabilities
-from harness.vocab.groups import GROUPS
+from harness.verify.checks import _occurrences
 
 BOUND_FROM = 2
 """The first step a declared bound holds at: the warmup (step 0) offloads every group and the
 first steady step may still hold the warmup's buffers (a pool sizes itself to a steady step at
 that step's end, as the reference's does); a run of fewer steps reports its footprint only."""
-
-
-def _occurrence(key: tuple[int, int, str]) -> str:
-    mb, layer, name = key
-    return f"{name} (microbatch {mb}, layer {layer})"
 
 
 def footprint_problems(case: Case, res: CaseRun, capabilities: Capabilities) -> list[str]:
@@ -29,8 +25,9 @@ def footprint_problems(case: Case, res: CaseRun, capabilities: Capabilities) -> 
     Exempt: groups whose shapes follow the routing (no pool serves them) and a step whose
     capped pool was exhausted (the row's designed fallback)."""
     problems = []
-    if capabilities.host_bound is not None and len(res.footprints) >= BOUND_FROM + 1:
-        line = bound_problem(res.footprints[-1], capabilities.host_bound, len(res.footprints) - 1)
+    steps = len(res.new_host)
+    if capabilities.host_bound is not None and res.footprint and steps >= BOUND_FROM + 1:
+        line = bound_problem(res.footprint, capabilities.host_bound, steps - 1)
         if line:
             problems.append(line)
     logs = res.offload.logs[int(case.eval_first) :]
@@ -40,10 +37,10 @@ def footprint_problems(case: Case, res: CaseRun, capabilities: Capabilities) -> 
     for step in range(1, len(res.new_host)):
         if step < len(logs) and logs[step].pool_exhausted > logs[step - 1].pool_exhausted:
             continue
-        new = [(k, n) for k, n in res.new_host[step] if not _routing_dependent(k[2])]
+        new = [(k, n) for k, n in res.new_host[step] if k[2] not in MOE_EXPERT_NAMES]
         allocs = res.host_allocs[step] if step < len(res.host_allocs) else None
         if new:
-            where = ", ".join(f"{n} B for {_occurrence(k)}" for k, n in new[:4])
+            where = ", ".join(f"{n} B for {_occurrences([k])}" for k, n in new[:4])
             problems.append(
                 f"step {step}: the offloader keeps a host pool, yet its D2H copies wrote "
                 f"{len(new)} host buffers no earlier step had used ({where}): host memory "
@@ -52,8 +49,3 @@ def footprint_problems(case: Case, res: CaseRun, capabilities: Capabilities) -> 
             )
             break
     return problems
-
-
-def _routing_dependent(name: str) -> bool:
-    group = GROUPS.get(name)
-    return group is not None and group.routing_dependent

@@ -276,8 +276,8 @@ def _leaks(runs: CaseRuns) -> CheckOutcome:
             "log_cross_check": bool(res.offload.logs),
         }
     }
-    if res.footprints and res.footprints[-1].points:
-        record["leaks"]["host_footprint"] = res.footprints[-1].as_record()
+    if res.footprint and res.footprint.points:
+        record["leaks"]["host_footprint"] = res.footprint.as_record()
         record["leaks"]["host_new_bytes"] = [sum(n for _, n in new) for new in res.new_host]
         if any(a is not None for a in res.host_allocs):
             record["leaks"]["host_allocs"] = list(res.host_allocs)

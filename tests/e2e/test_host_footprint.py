@@ -31,7 +31,7 @@ def test_an_offloader_keeping_last_steps_copies_holds_four_times_its_peak(backen
     an offloader keeping the last step's copies to the end of this one holds both steps' at
     this step's last forward commit: 2 steps x 2 microbatches = 4x."""
     _, res = _final(backend, SEQUENTIAL)
-    final = res.footprints[-1]
+    final = res.footprint
     step_bytes = res.per_step[-1].totals()["d2h"].bytes
     assert final.peak_in_flight == step_bytes // 2
     assert final.peak_held == 2 * step_bytes
@@ -43,7 +43,7 @@ def test_the_reference_holds_what_it_has_in_flight() -> None:
     bound over what is in flight at the final step's peak, one microbatch's copies (derived from
     the step's copies: sequential, 2 microbatches moving the same)."""
     case, res = _final("reference", SEQUENTIAL)
-    final = res.footprints[-1]
+    final = res.footprint
     assert final.peak_in_flight == res.per_step[-1].totals()["d2h"].bytes // 2
     assert final.ratio is not None and final.ratio <= HOST_BOUND
     assert footprint_problems(case, res, Capabilities(host_pool=True, host_bound=HOST_BOUND)) == []

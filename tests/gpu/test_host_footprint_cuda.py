@@ -66,13 +66,13 @@ def _record(name: str, res: object) -> None:
     data = json.loads(fixture.read_text()) if fixture.exists() else {}
     data["fingerprint"] = fingerprint.of(torch.device("cuda")).id
     data.setdefault("steps", {})[name] = step_record(res.final_observed)  # type: ignore[attr-defined]
-    data.setdefault("ratios", {})[name] = res.footprints[-1].ratio  # type: ignore[attr-defined]
+    data.setdefault("ratios", {})[name] = res.footprint.ratio  # type: ignore[attr-defined]
     fixture.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def test_the_reference_holds_at_most_its_bound() -> None:
     case, res = _final("reference")
-    final = res.footprints[-1]  # type: ignore[attr-defined]
+    final = res.footprint  # type: ignore[attr-defined]
     _record("reference", res)
     in_flight = 2 * (CORE_ATTN + ATTN_PROJ)  # sequential: one microbatch's 2 offloaded layers
     assert final.peak_in_flight == in_flight
@@ -86,7 +86,7 @@ def test_save_on_cpu_pays_the_allocators_rounding() -> None:
     131072 B block, so at its peak it holds at least 2 x (131072 + 8192) for 2 x (81920 + 8192)
     in flight: 1.55x, read from the allocator."""
     _, res = _final("save-on-cpu")
-    final = res.footprints[-1]  # type: ignore[attr-defined]
+    final = res.footprint  # type: ignore[attr-defined]
     _record("save-on-cpu", res)
     assert final.peak_in_flight == 2 * (CORE_ATTN + ATTN_PROJ)
     assert final.source == "allocator"

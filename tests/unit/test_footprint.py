@@ -68,11 +68,11 @@ def test_the_allocator_reading_counts_where_it_is_the_larger() -> None:
     assert found.as_record()["peak_held_copies_bytes"] == 81920
 
 
-def _res(new_host: tuple, logs: list[IterationLog] | None = None, footprints: tuple = ()) -> object:
+def _res(new_host: tuple, logs: list[IterationLog] | None = None, final: object = None) -> object:
     return SimpleNamespace(
         new_host=new_host,
         host_allocs=(None,) * len(new_host),
-        footprints=footprints,
+        footprint=final,
         offload=SimpleNamespace(logs=logs or []),
     )
 
@@ -108,11 +108,11 @@ def test_a_declared_bound_is_held_at_the_final_step() -> None:
         copies=[_copy("d2h", A, 100, 0)],
         boundaries=[Boundary(1, "commit", A, 160)],
     )
-    res = _res((), footprints=(footprint(over),) * 3)
+    res = _res(((),) * 3, final=footprint(over))
     [line] = footprint_problems(CASE, res, Capabilities(host_bound=1.05))
     assert line.startswith("step 2: the offloader held 160 B of host memory")
     assert "1.60x, above the 1.05x it declares" in line
     assert footprint_problems(CASE, res, Capabilities(host_bound=1.6)) == []
     # two steps: the first steady step may still hold the warmup's buffers; reported only
-    two = _res((), footprints=(footprint(over),) * 2)
+    two = _res(((),) * 2, final=footprint(over))
     assert footprint_problems(CASE, two, Capabilities(host_bound=1.05)) == []

@@ -16,9 +16,12 @@ from collections import Counter
 
 import pytest
 
-from harness.models.p2p import Batch, PipelineLayout, program
+from harness.models.p2p import PipelineLayout, program
 from harness.models.pipeline import stage_order
 from harness.vocab.spec import model_chunks
+
+Batch = tuple[tuple[str, int, int], ...]
+"""Operations posted together (one NCCL group); ``StageLinks`` posts each on its own."""
 
 SCHEDULES = ("sequential", "gpipe", "1f1b", "interleaved")
 
@@ -106,7 +109,8 @@ def nccl_plays(programs: list[list[Batch]], channels: bool = False) -> tuple[boo
 def _programs(schedule: str, stages: int, microbatches: int) -> list[list[Batch]]:
     layout = PipelineLayout(stages, model_chunks(schedule))
     return [
-        program(stage_order(schedule, microbatches, stages, s), layout, s) for s in range(stages)
+        [(op,) for op in program(stage_order(schedule, microbatches, stages, s), layout, s)]
+        for s in range(stages)
     ]
 
 
